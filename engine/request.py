@@ -1,0 +1,141 @@
+"""Request state shared by the step scheduler, the block manager and the runner.
+
+No torch here: the policy parts of the engine must import (and be simulated) anywhere.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+from engine.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request's output; validated on construction."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k cut
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        # Lists are accepted for convenience and frozen into tuples.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            raise InvalidRequestError("max_tokens must be an integer", param="max_tokens")
+        if self.max_tokens <= 0:
+            raise InvalidRequestError("max_tokens must be at least 1", param="max_tokens")
+        if not _is_finite_number(self.temperature) or self.temperature < 0:
+            raise InvalidRequestError(
+                "temperature must be a finite number >= 0", param="temperature"
+            )
+        if not _is_finite_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError("top_p must be in (0, 1]", param="top_p")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequestError("top_k must be an integer >= 0", param="top_k")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise InvalidRequestError("seed must be an integer", param="seed")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequestError("stop must hold non-empty strings", param="stop")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids must be token ids", param="stop_token_ids")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def _is_finite_number(value: object) -> bool:
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(float(value))
+    )
+
+
+@dataclass(frozen=True)
+class Priority:
+    """What the step scheduler knows about who a request belongs to.
+
+    rank 0 is most important. tenant is opaque to the engine (fair share between tenants
+    is the queue's job). arrival_s is on the engine clock (monotonic seconds).
+    """
+
+    rank: int = 0
+    tenant: str = ""
+    arrival_s: float = 0.0
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
+    preemptible: bool = True
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, recomputes its KV when resumed
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # eos, stop token id or stop string
+    LENGTH = "length"  # max_tokens or the context window
+    ABORT = "abort"  # the client went away or the caller aborted
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence's mutable state inside the engine.
+
+    The KV cache holds `num_computed_tokens` tokens of `all_token_ids`; the step
+    scheduler advances it, the block manager owns `block_ids`.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: Priority = field(default_factory=Priority)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    block_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    first_scheduled_s: float | None = None
+    first_token_s: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True while tokens before the last one still lack KV (prompt or recompute)."""
+        return self.num_computed_tokens < self.num_tokens - 1

@@ -1,0 +1,1 @@
+"""Tier policy, fair share between tenants, admission control and the shared queue."""

@@ -1,0 +1,65 @@
+"""The unit of work that crosses the queue: everything a worker needs, no database.
+
+A job is admitted by a gateway, queued, leased by a worker and run by its engine. It is
+serialised to JSON for the Redis backend, so it holds only plain values.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from engine.request import SamplingParams
+
+
+@dataclass(frozen=True)
+class Job:
+    job_id: str  # also the request id seen by the client (x-request-id)
+    tenant_id: str
+    tier: str
+    rank: int  # 0 is most important
+    weight: float  # tenant's fair-share weight
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    arrival_s: float  # wall-clock epoch seconds at the gateway
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
+    max_queue_ms: float | None = None  # dropped with queue_timeout past this
+    deadline_s: float | None = None  # batch completion deadline (epoch seconds)
+    preemptible: bool = False
+    # Tokens already streamed to the client by an earlier lease; a resumed job continues
+    # after them so the client sees no duplicate and no gap.
+    resumed_token_ids: tuple[int, ...] = ()
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def max_total_tokens(self) -> int:
+        return len(self.prompt_token_ids) + self.params.max_tokens
+
+    def with_resumed(self, token_ids: tuple[int, ...]) -> Job:
+        return replace(self, resumed_token_ids=token_ids)
+
+    def to_json(self) -> str:
+        data: dict[str, Any] = asdict(self)
+        return json.dumps(data, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> Job:
+        data = json.loads(raw)
+        p = data.pop("params")
+        params = SamplingParams(
+            **{**p, "stop": tuple(p["stop"]), "stop_token_ids": tuple(p["stop_token_ids"])}
+        )
+        return cls(
+            **{
+                **data,
+                "params": params,
+                "prompt_token_ids": tuple(data["prompt_token_ids"]),
+                "resumed_token_ids": tuple(data["resumed_token_ids"]),
+            }
+        )
