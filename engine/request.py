@@ -44,7 +44,9 @@ class SamplingParams:
             raise InvalidRequestError("top_p must be in (0, 1]", param="top_p")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise InvalidRequestError("top_k must be an integer >= 0", param="top_k")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+        ):
             raise InvalidRequestError("seed must be an integer", param="seed")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop must hold non-empty strings", param="stop")
@@ -87,7 +89,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # eos, stop token id or stop string
     LENGTH = "length"  # max_tokens or the context window
     ABORT = "abort"  # the client went away or the caller aborted

@@ -1,0 +1,146 @@
+"""Typed gateway errors and the one table that maps every error to an HTTP response.
+
+Lower layers raise their own typed exceptions (engine.errors, scheduler errors); they
+carry data, never status codes. `error_response` turns any exception into the OpenAI
+error shape `{"error": {"message", "type", "param", "code"}}`; anything unmapped is a
+logged 500.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+from starlette.responses import JSONResponse
+
+from engine import errors as engine_errors
+
+log = logging.getLogger(__name__)
+
+
+class GatewayError(Exception):
+    """Base of errors raised by the gateway itself."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class InvalidRequestError(GatewayError):
+    """The request body or parameters are invalid (400)."""
+
+
+class AuthenticationError(GatewayError):
+    """Missing, malformed, unknown, revoked or expired credentials (401)."""
+
+
+class PermissionDeniedError(GatewayError):
+    """Authenticated, but not allowed: tenant suspended, tier not allowed (403)."""
+
+
+class NotFoundError(GatewayError):
+    """Unknown object, or another tenant's object (404, never 403)."""
+
+
+class ConflictError(GatewayError):
+    """The change conflicts with existing state, e.g. deleting a tier in use (409)."""
+
+
+class PayloadTooLargeError(GatewayError):
+    """Request body over the configured limit (413)."""
+
+
+class RateLimitedError(GatewayError):
+    """'Not now' (429): rate limit, concurrency limit, SLO unattainable, queue timeout.
+
+    retry_after_s is the real expected wait; `code` says which limit.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str,
+        retry_after_s: float | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message, code=code)
+        self.retry_after_s = retry_after_s
+        self.headers = headers or {}
+
+
+class ServiceUnavailableError(GatewayError):
+    """No capacity at all: no live worker, backend down (503)."""
+
+
+@dataclass(frozen=True)
+class ErrorKind:
+    status: int
+    type: str
+    code: str | None = None
+
+
+# The one table: exception class -> HTTP status, OpenAI error type, default code.
+# Looked up along the MRO, so subclasses inherit their parent's row.
+ERROR_TABLE: dict[type[BaseException], ErrorKind] = {
+    InvalidRequestError: ErrorKind(400, "invalid_request_error"),
+    AuthenticationError: ErrorKind(401, "authentication_error", "invalid_api_key"),
+    PermissionDeniedError: ErrorKind(403, "permission_error"),
+    NotFoundError: ErrorKind(404, "not_found_error"),
+    ConflictError: ErrorKind(409, "conflict_error"),
+    PayloadTooLargeError: ErrorKind(413, "invalid_request_error", "request_too_large"),
+    RateLimitedError: ErrorKind(429, "rate_limit_error"),
+    ServiceUnavailableError: ErrorKind(503, "service_unavailable_error"),
+    engine_errors.ContextLengthExceededError: ErrorKind(
+        400, "invalid_request_error", "context_length_exceeded"
+    ),
+    engine_errors.InvalidRequestError: ErrorKind(400, "invalid_request_error"),
+    engine_errors.EngineDeadError: ErrorKind(503, "service_unavailable_error", "engine_dead"),
+}
+
+
+def register_error(exc_type: type[BaseException], kind: ErrorKind) -> None:
+    """Add a row for an error class defined in another module of the gateway."""
+    ERROR_TABLE[exc_type] = kind
+
+
+def _lookup(exc: BaseException) -> ErrorKind | None:
+    for klass in type(exc).__mro__:
+        kind = ERROR_TABLE.get(klass)
+        if kind is not None:
+            return kind
+    return None
+
+
+def error_body(message: str, type_: str, param: str | None, code: str | None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(exc: BaseException, *, request_id: str | None = None) -> JSONResponse:
+    kind = _lookup(exc)
+    headers: dict[str, str] = {}
+    if request_id:
+        headers["x-request-id"] = request_id
+    if kind is None:
+        log.exception("unhandled error", exc_info=exc)
+        return JSONResponse(
+            error_body("Internal server error", "server_error", None, None),
+            status_code=500,
+            headers=headers,
+        )
+    message = getattr(exc, "message", None) or str(exc)
+    param = getattr(exc, "param", None)
+    code = getattr(exc, "code", None) or kind.code
+    if isinstance(exc, RateLimitedError):
+        headers.update(exc.headers)
+        if exc.retry_after_s is not None:
+            # Retry-After is whole seconds (rounded up so honouring it is enough);
+            # retry-after-ms carries the precise wait.
+            headers["retry-after"] = str(max(1, math.ceil(exc.retry_after_s)))
+            headers["retry-after-ms"] = str(max(1, math.ceil(exc.retry_after_s * 1000)))
+    return JSONResponse(
+        error_body(message, kind.type, param, code), status_code=kind.status, headers=headers
+    )
