@@ -1,0 +1,14 @@
+"""SQL storage of the gateway: models, engine/session factory, repository functions."""
+
+from gateway.db.models import ApiKey, Base, Tenant, Tier, UsageRow
+from gateway.db.session import create_db_engine, create_sessionmaker
+
+__all__ = [
+    "ApiKey",
+    "Base",
+    "Tenant",
+    "Tier",
+    "UsageRow",
+    "create_db_engine",
+    "create_sessionmaker",
+]

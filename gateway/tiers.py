@@ -1,0 +1,114 @@
+"""Tier policies and a cached, in-process view of the tiers table.
+
+A tier says how its tenants' requests are scheduled (rank, SLOs, queue TTL, batch
+window, guaranteed share, preemptibility), their default limits and their prices. The
+built-in tiers and their defaults are documented in migrations/versions/0002_seed_tiers.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import async_sessionmaker
+
+from gateway.db.models import Tier
+from gateway.errors import NotFoundError
+
+
+@dataclass(frozen=True)
+class TierPolicy:
+    """What a tier promises and charges. Limits are per tenant; None means unlimited."""
+
+    name: str
+    rank: int  # 0 is most important; lower ranks run first
+    ttft_slo_ms: float | None  # None for throughput tiers
+    tpot_slo_ms: float | None
+    max_queue_ms: float | None  # time a request may wait queued before it is dropped
+    completion_window_s: int | None  # batch deadline
+    min_share: float  # share of token throughput kept even when better ranks are busy
+    preemptible: bool
+    rpm: int | None
+    tpm: int | None
+    max_concurrency: int | None
+    price_input_per_mtok: float
+    price_output_per_mtok: float
+
+    @classmethod
+    def from_row(cls, row: Tier) -> TierPolicy:
+        return cls(
+            name=row.name,
+            rank=row.rank,
+            ttft_slo_ms=row.ttft_slo_ms,
+            tpot_slo_ms=row.tpot_slo_ms,
+            max_queue_ms=row.max_queue_ms,
+            completion_window_s=row.completion_window_s,
+            min_share=row.min_share,
+            preemptible=row.preemptible,
+            rpm=row.rpm,
+            tpm=row.tpm,
+            max_concurrency=row.max_concurrency,
+            price_input_per_mtok=row.price_input_per_mtok,
+            price_output_per_mtok=row.price_output_per_mtok,
+        )
+
+    def cost(self, prompt_tokens: int, completion_tokens: int) -> float:
+        """Price of one request, in the currency of the tier's prices."""
+        return (
+            prompt_tokens * self.price_input_per_mtok
+            + completion_tokens * self.price_output_per_mtok
+        ) / 1_000_000
+
+
+class TierCatalog:
+    """All tiers, read from SQL at most once per `ttl_s` (a request reads the cache).
+
+    Admin changes made in this process call `invalidate()`, so they apply at once here;
+    other processes see them within `ttl_s`.
+    """
+
+    def __init__(self, sessionmaker: async_sessionmaker, *, ttl_s: float = 1.0) -> None:
+        self._sessionmaker = sessionmaker
+        self._ttl_s = ttl_s
+        self._tiers: dict[str, TierPolicy] = {}
+        self._loaded_at: float | None = None
+        self._lock = asyncio.Lock()
+        # Bumped by invalidate(): a reload that started before an invalidation must not
+        # mark its (possibly stale) result fresh.
+        self._generation = 0
+
+    def _is_fresh(self) -> bool:
+        return self._loaded_at is not None and time.monotonic() - self._loaded_at < self._ttl_s
+
+    async def _refresh(self) -> dict[str, TierPolicy]:
+        if self._is_fresh():
+            return self._tiers
+        async with self._lock:
+            # Another task may have reloaded while this one waited for the lock.
+            if self._is_fresh():
+                return self._tiers
+            started, generation = time.monotonic(), self._generation
+            async with self._sessionmaker() as session:
+                rows = (await session.scalars(select(Tier))).all()
+            self._tiers = {row.name: TierPolicy.from_row(row) for row in rows}
+            if generation == self._generation:
+                self._loaded_at = started
+            return self._tiers
+
+    async def get(self, name: str) -> TierPolicy:
+        """The tier called `name`; NotFoundError if there is none."""
+        tier = (await self._refresh()).get(name)
+        if tier is None:
+            raise NotFoundError(f"Unknown tier {name!r}", param="tier", code="tier_not_found")
+        return tier
+
+    async def all(self) -> list[TierPolicy]:
+        """Every tier, best rank first (ties by name)."""
+        return sorted((await self._refresh()).values(), key=lambda t: (t.rank, t.name))
+
+    def invalidate(self) -> None:
+        """Forget the cache; the next read goes to the database."""
+        self._loaded_at = None
+        self._generation += 1

@@ -1,0 +1,145 @@
+"""Shared fixtures: real databases (SQLite and PostgreSQL) and a real Redis.
+
+Every test gets its own database (a SQLite file in tmp_path, or a fresh PostgreSQL
+database created and dropped around it) and its own Redis key prefix, so tests of
+different packages can run at the same time against the same servers.
+
+Servers default to the local ones; override with TIERGATE_TEST_POSTGRES_URL (an
+SQLAlchemy URL of a database the fixture may connect to in order to create others) and
+TIERGATE_TEST_REDIS_URL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import pytest
+
+POSTGRES_URL = os.environ.get(
+    "TIERGATE_TEST_POSTGRES_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test"
+)
+REDIS_URL = os.environ.get("TIERGATE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def _run_async(make_coro: Callable[[], Any]) -> Any:
+    """Run a coroutine to completion on a private thread and loop.
+
+    Sync fixtures run while pytest-asyncio owns the main thread's event loop; a private
+    thread keeps asyncio.run from replacing or closing that loop.
+    """
+    out: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            out["value"] = asyncio.run(make_coro())
+        except BaseException as exc:
+            out["error"] = exc
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
+
+
+def _asyncpg_dsn(sqlalchemy_url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return make_url(sqlalchemy_url).set(drivername="postgresql").render_as_string(False)
+
+
+def _create_postgres_database() -> str:
+    """Create an empty database named for this test run; return its SQLAlchemy URL."""
+    import asyncpg
+    from sqlalchemy.engine import make_url
+
+    name = f"tg_test_{uuid.uuid4().hex[:16]}"
+
+    async def create() -> None:
+        connection = await asyncpg.connect(_asyncpg_dsn(POSTGRES_URL), timeout=10)
+        try:
+            await connection.execute(f'CREATE DATABASE "{name}"')
+        finally:
+            await connection.close()
+
+    _run_async(create)
+    return make_url(POSTGRES_URL).set(database=name).render_as_string(False)
+
+
+def _drop_postgres_database(url: str) -> None:
+    import asyncpg
+    from sqlalchemy.engine import make_url
+
+    name = make_url(url).database
+
+    async def drop() -> None:
+        connection = await asyncpg.connect(_asyncpg_dsn(POSTGRES_URL), timeout=10)
+        try:
+            # FORCE: a test that leaked a connection must not leak its database too.
+            await connection.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        finally:
+            await connection.close()
+
+    _run_async(drop)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request: pytest.FixtureRequest, tmp_path) -> Iterator[str]:
+    """An empty database of its own, as an async SQLAlchemy URL (SQLite, then PostgreSQL)."""
+    if request.param == "sqlite":
+        yield f"sqlite+aiosqlite:///{tmp_path / 'tiergate.db'}"
+        return
+    url = _create_postgres_database()
+    try:
+        yield url
+    finally:
+        _drop_postgres_database(url)
+
+
+@pytest.fixture
+def migrated_database_url(database_url: str) -> str:
+    """`database_url` upgraded to the newest migration (seeded tiers included)."""
+    from gateway.migrate import upgrade_to_head
+
+    upgrade_to_head(database_url)
+    return database_url
+
+
+@pytest.fixture
+async def db_sessionmaker(migrated_database_url: str) -> AsyncIterator[Any]:
+    """An async_sessionmaker on a migrated database of this test's own."""
+    from gateway.db.session import create_db_engine, create_sessionmaker
+
+    engine = create_db_engine(migrated_database_url)
+    try:
+        yield create_sessionmaker(engine)
+    finally:
+        await engine.dispose()
+
+
+@pytest.fixture
+def redis_url() -> str:
+    """URL of the shared test Redis; isolate keys with `redis_prefix`."""
+    return REDIS_URL
+
+
+@pytest.fixture
+def redis_prefix(redis_url: str) -> Iterator[str]:
+    """A key prefix unique to this test; its keys are deleted afterwards."""
+    import redis
+
+    prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
+    yield prefix
+    client = redis.Redis.from_url(redis_url)
+    try:
+        keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+        if keys:
+            client.delete(*keys)
+    finally:
+        client.close()
