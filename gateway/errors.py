@@ -115,6 +115,14 @@ def _lookup(exc: BaseException) -> ErrorKind | None:
     return None
 
 
+def error_code(exc: BaseException) -> str:
+    """The short code a usage record or a log line names an error by."""
+    kind = _lookup(exc)
+    if kind is None:
+        return "server_error"
+    return getattr(exc, "code", None) or kind.code or kind.type
+
+
 def error_body(message: str, type_: str, param: str | None, code: str | None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 

@@ -1,0 +1,100 @@
+"""The gateway's outermost ASGI layer: request ids, the body size limit, the error boundary.
+
+One pure-ASGI middleware rather than several `BaseHTTPMiddleware`s: it adds nothing to a
+streaming response's path but a header, and it is the single place where an exception
+that escaped a route becomes an OpenAI-shaped error (so even a 500 carries x-request-id).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.errors import PayloadTooLargeError, error_response
+
+log = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = b"x-request-id"
+
+
+def new_request_id() -> str:
+    """A fresh request id; also the job id the queue and the engine know the request by."""
+    return f"req_{uuid.uuid4().hex}"
+
+
+def request_id_of(scope: Scope) -> str:
+    """The id the middleware assigned to this request."""
+    return scope["state"]["request_id"]
+
+
+class GatewayMiddleware:
+    """Assigns x-request-id, enforces max_body_bytes (413), turns escaped errors into JSON."""
+
+    def __init__(self, app: ASGIApp, *, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = new_request_id()
+        # A new dict: the server shares the lifespan state between requests by copy, and
+        # an in-process client may share it outright.
+        scope["state"] = {**scope.get("state", {}), "request_id": request_id}
+        header_value = request_id.encode("ascii")
+        response_started = False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal response_started
+            if message["type"] == "http.response.start":
+                response_started = True
+                headers = list(message.get("headers", []))
+                headers.append((REQUEST_ID_HEADER, header_value))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        try:
+            declared = _content_length(scope)
+            if declared is not None and declared > self.max_body_bytes:
+                raise _too_large(self.max_body_bytes)
+            await self.app(scope, self._limited(receive), send_with_id)
+        except Exception as exc:
+            if response_started:
+                # Too late for a status code; the server closes the connection.
+                log.exception("error after the response started (request %s)", request_id)
+                return
+            response = error_response(exc, request_id=request_id)
+            await response(scope, receive, send)
+
+    def _limited(self, receive: Receive) -> Receive:
+        """Wrap receive so a body without (or lying about) content-length is still capped."""
+        limit = self.max_body_bytes
+        num_bytes = 0
+
+        async def receive_limited() -> Message:
+            nonlocal num_bytes
+            message = await receive()
+            if message["type"] == "http.request":
+                num_bytes += len(message.get("body", b""))
+                if num_bytes > limit:
+                    raise _too_large(limit)
+            return message
+
+        return receive_limited
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", []):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+def _too_large(limit: int) -> PayloadTooLargeError:
+    return PayloadTooLargeError(f"Request body is larger than the limit of {limit} bytes.")

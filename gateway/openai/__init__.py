@@ -1,0 +1,1 @@
+"""The OpenAI-compatible API: request schemas, response shapes, routes."""

@@ -1,0 +1,305 @@
+"""OpenAI request bodies turned into typed, frozen dataclasses at the edge.
+
+Everything here is plain parsing: bytes -> JSON object -> dataclass, raising
+`InvalidRequestError` (400) with the offending `param` for anything malformed. Nothing
+below the routes ever sees a dict. Model-dependent checks (model name, context length,
+tokenisation) happen in the routes, where the engine is known.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.errors import InvalidRequestError
+
+MAX_STOP_SEQUENCES = 4
+MAX_TEMPERATURE = 2.0
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """The sampling and delivery options shared by text and chat completions."""
+
+    model: str
+    max_tokens: int | None  # None: the route picks the default for the endpoint
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    user: str | None
+    service_tier: str | None
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """POST /v1/completions: a single prompt, as text or as token ids."""
+
+    prompt: str | tuple[int, ...]
+    options: GenerationOptions
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+    name: str | None = None
+
+    def as_template_dict(self) -> dict[str, str]:
+        """The shape tokenizer chat templates expect."""
+        message = {"role": self.role, "content": self.content}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+@dataclass(frozen=True)
+class ChatCompletionRequest:
+    """POST /v1/chat/completions."""
+
+    messages: tuple[ChatMessage, ...]
+    options: GenerationOptions
+
+
+def parse_json_object(body: bytes) -> dict[str, Any]:
+    """Decode a request body: strict UTF-8, valid JSON, a JSON object at the top."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidRequestError(
+            f"Request body is not valid UTF-8 (byte {exc.start}).", code="invalid_utf8"
+        ) from None
+    if not text.strip():
+        raise InvalidRequestError("Request body is empty; expected a JSON object.")
+    try:
+        data = json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequestError(
+            f"Request body is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno}).",
+            code="invalid_json",
+        ) from None
+    if not isinstance(data, dict):
+        raise InvalidRequestError("Request body must be a JSON object.", code="invalid_json")
+    return data
+
+
+def _reject_constant(name: str) -> Any:
+    # json.loads accepts NaN and Infinity by default; they are not JSON.
+    raise InvalidRequestError(f"{name} is not valid JSON.", code="invalid_json")
+
+
+def parse_completion_request(body: bytes) -> CompletionRequest:
+    data = parse_json_object(body)
+    return CompletionRequest(prompt=_prompt(data), options=_options(data, chat=False))
+
+
+def parse_chat_request(body: bytes) -> ChatCompletionRequest:
+    data = parse_json_object(body)
+    return ChatCompletionRequest(messages=_messages(data), options=_options(data, chat=True))
+
+
+def _options(data: dict[str, Any], *, chat: bool) -> GenerationOptions:
+    model = _required(data, "model", str)
+    if not model:
+        raise InvalidRequestError("model must not be empty.", param="model")
+    max_tokens = _optional(data, "max_tokens", int)
+    if chat:
+        # max_completion_tokens is the newer name and wins when both are given.
+        newer = _optional(data, "max_completion_tokens", int)
+        if newer is not None:
+            max_tokens = newer
+    if max_tokens is not None and max_tokens < 1:
+        param = (
+            "max_completion_tokens" if chat and "max_completion_tokens" in data else "max_tokens"
+        )
+        raise InvalidRequestError(f"{param} must be at least 1.", param=param)
+    temperature = _number(data, "temperature", default=1.0)
+    if not 0.0 <= temperature <= MAX_TEMPERATURE:
+        raise InvalidRequestError(
+            f"temperature must be between 0 and {MAX_TEMPERATURE:g}.", param="temperature"
+        )
+    top_p = _number(data, "top_p", default=1.0)
+    if not 0.0 < top_p <= 1.0:
+        raise InvalidRequestError("top_p must be greater than 0 and at most 1.", param="top_p")
+    n = _optional(data, "n", int)
+    if n is not None and n != 1:
+        raise InvalidRequestError("Only n=1 is supported.", param="n")
+    stream = _optional(data, "stream", bool) or False
+    include_usage = False
+    stream_options = _optional(data, "stream_options", dict)
+    if stream_options is not None:
+        if not stream:
+            raise InvalidRequestError(
+                "stream_options is only allowed when stream is true.", param="stream_options"
+            )
+        include_usage = _optional(stream_options, "include_usage", bool, "stream_options.") or False
+    for penalty in ("presence_penalty", "frequency_penalty"):
+        value = _number(data, penalty, default=0.0)
+        if value != 0.0:
+            raise InvalidRequestError(f"{penalty} is not supported; use 0.", param=penalty)
+    for unsupported in ("logprobs", "top_logprobs", "logit_bias", "tools", "functions"):
+        if data.get(unsupported) not in (None, False, {}, []):
+            raise InvalidRequestError(f"{unsupported} is not supported.", param=unsupported)
+    if data.get("echo") not in (None, False):
+        raise InvalidRequestError("echo is not supported.", param="echo")
+    return GenerationOptions(
+        model=model,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=_optional(data, "seed", int),
+        stop=_stop(data),
+        stream=stream,
+        include_usage=include_usage,
+        user=_optional(data, "user", str),
+        service_tier=_optional(data, "service_tier", str),
+    )
+
+
+def _prompt(data: dict[str, Any]) -> str | tuple[int, ...]:
+    if "prompt" not in data or data["prompt"] is None:
+        raise InvalidRequestError("Missing required parameter: 'prompt'.", param="prompt")
+    prompt = data["prompt"]
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        if any(t < 0 for t in prompt):
+            raise InvalidRequestError("Token ids must be >= 0.", param="prompt")
+        return tuple(prompt)
+    # A list holding exactly one prompt (text or ids) is a batch of one: accept it.
+    if isinstance(prompt, list) and len(prompt) == 1:
+        only = prompt[0]
+        if isinstance(only, str) or (isinstance(only, list) and only):
+            return _prompt({"prompt": only})
+    if (
+        isinstance(prompt, list)
+        and len(prompt) > 1
+        and all(isinstance(p, str | list) for p in prompt)
+    ):
+        raise InvalidRequestError(
+            "Only a single prompt per request is supported (a string or a list of token ids).",
+            param="prompt",
+        )
+    raise InvalidRequestError(
+        "prompt must be a string or a non-empty list of token ids.", param="prompt"
+    )
+
+
+def _messages(data: dict[str, Any]) -> tuple[ChatMessage, ...]:
+    raw = _required(data, "messages", list)
+    if not raw:
+        raise InvalidRequestError("messages must not be empty.", param="messages")
+    messages = []
+    for i, item in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(item, dict):
+            raise InvalidRequestError(f"{where} must be an object.", param=where)
+        role = _required(item, "role", str, f"{where}.")
+        if role not in CHAT_ROLES:
+            raise InvalidRequestError(
+                f"{where}.role must be one of {', '.join(sorted(CHAT_ROLES))}.",
+                param=f"{where}.role",
+            )
+        content = _content(item.get("content"), role, f"{where}.content")
+        messages.append(ChatMessage(role, content, _optional(item, "name", str, f"{where}.")))
+    return tuple(messages)
+
+
+def _content(content: Any, role: str, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None and role == "assistant":
+        return ""
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise InvalidRequestError(
+                    f"{where}[{j}] must be a text part; only text content is supported.",
+                    param=f"{where}[{j}]",
+                )
+            parts.append(_required(part, "text", str, f"{where}[{j}]."))
+        return "".join(parts)
+    raise InvalidRequestError(f"{where} must be a string or a list of text parts.", param=where)
+
+
+def _stop(data: dict[str, Any]) -> tuple[str, ...]:
+    stop = data.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise InvalidRequestError(
+            "stop must be a non-empty string or a list of non-empty strings.", param="stop"
+        )
+    if len(stop) > MAX_STOP_SEQUENCES:
+        raise InvalidRequestError(
+            f"stop may hold at most {MAX_STOP_SEQUENCES} sequences.", param="stop"
+        )
+    return tuple(stop)
+
+
+_TYPE_NAMES = {
+    str: "a string",
+    int: "an integer",
+    bool: "a boolean",
+    list: "an array",
+    dict: "an object",
+}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_type(value: Any, kind: type, param: str) -> Any:
+    ok = _is_int(value) if kind is int else isinstance(value, kind)
+    if not ok:
+        raise InvalidRequestError(
+            f"{param} must be {_TYPE_NAMES[kind]}, not {_json_type(value)}.", param=param
+        )
+    return value
+
+
+def _required(data: dict[str, Any], key: str, kind: type, prefix: str = "") -> Any:
+    if data.get(key) is None:
+        raise InvalidRequestError(
+            f"Missing required parameter: '{prefix}{key}'.", param=f"{prefix}{key}"
+        )
+    return _check_type(data[key], kind, f"{prefix}{key}")
+
+
+def _optional(data: dict[str, Any], key: str, kind: type, prefix: str = "") -> Any:
+    value = data.get(key)
+    return None if value is None else _check_type(value, kind, f"{prefix}{key}")
+
+
+def _number(data: dict[str, Any], key: str, *, default: float) -> float:
+    value = data.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidRequestError(f"{key} must be a number, not {_json_type(value)}.", param=key)
+    if not math.isfinite(value):
+        raise InvalidRequestError(f"{key} must be a finite number.", param=key)
+    return float(value)
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"

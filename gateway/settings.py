@@ -1,0 +1,100 @@
+"""Process settings: read once from the environment (and CLI flags) at the edge.
+
+Everything below the composition root receives plain values from this frozen object;
+nothing reads the environment on its own.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+from gateway.errors import GatewayError
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+class SettingsError(GatewayError):
+    """An environment variable or flag holds a value that cannot be used."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything `build_app` needs to build one process."""
+
+    data_dir: Path = Path(".tiergate")
+    database_url: str | None = None  # None: the SQLite file in data_dir (db_url)
+    redis_url: str | None = None
+    admin_token: str | None = None
+    model: str = "tiny-random"
+    device: str = "auto"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # The engine's KV cache size; None lets the engine size it from free memory.
+    num_kv_blocks: int | None = None
+    auth_cache_ttl_s: float = 5.0
+    usage_flush_interval_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "data_dir", Path(self.data_dir))
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise SettingsError(f"device must be auto, cpu or cuda, not {self.device!r}")
+        if not 0 < self.port < 65536:
+            raise SettingsError(f"port must be in 1..65535, not {self.port}")
+        if self.max_body_bytes < 1024:
+            raise SettingsError("max_body_bytes must be at least 1024")
+
+    @property
+    def db_url(self) -> str:
+        """The SQLAlchemy URL to use: the configured one or the embedded SQLite file."""
+        if self.database_url:
+            return self.database_url
+        return f"sqlite+aiosqlite:///{(self.data_dir / 'tiergate.db').resolve()}"
+
+    @property
+    def is_embedded_db(self) -> bool:
+        return self.db_url.startswith("sqlite")
+
+    def with_overrides(self, **values: object) -> Settings:
+        """A copy with the given non-None values replaced (CLI flags over environment)."""
+        known = {f.name for f in fields(self)}
+        chosen = {k: v for k, v in values.items() if v is not None and k in known}
+        return replace(self, **chosen)
+
+
+# variable -> (field, parser). The one list of what the environment may set.
+_ENV: dict[str, tuple[str, type]] = {
+    "TIERGATE_DATA_DIR": ("data_dir", Path),
+    "TIERGATE_DATABASE_URL": ("database_url", str),
+    "TIERGATE_REDIS_URL": ("redis_url", str),
+    "TIERGATE_ADMIN_TOKEN": ("admin_token", str),
+    "TIERGATE_MODEL": ("model", str),
+    "TIERGATE_DEVICE": ("device", str),
+    "TIERGATE_HOST": ("host", str),
+    "TIERGATE_PORT": ("port", int),
+    "TIERGATE_MAX_BODY_BYTES": ("max_body_bytes", int),
+    "TIERGATE_NUM_KV_BLOCKS": ("num_kv_blocks", int),
+}
+
+
+def settings_from_env(environ: Mapping[str, str] | None = None) -> Settings:
+    """Read the TIERGATE_* variables once; empty values count as unset."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, object] = {}
+    for var, (name, parse) in _ENV.items():
+        raw = environ.get(var, "").strip()
+        if not raw:
+            continue
+        try:
+            values[name] = parse(raw)
+        except ValueError:
+            raise SettingsError(f"{var}={raw!r} is not a valid {parse.__name__}") from None
+    return Settings(**values)  # type: ignore[arg-type]
+
+
+def env_variables() -> list[str]:
+    """Names of the variables settings_from_env reads (for docs and --help)."""
+    return list(_ENV)
