@@ -1,0 +1,318 @@
+"""Synthetic workloads: who sends what, when.
+
+A workload is tiers (SLOs and length distributions), tenants (tier, weight, share of the
+load, on/off windows) and an arrival process (Poisson or gamma, plus surges). `generate`
+turns it into a sorted list of `SimRequest`, deterministic for a seed, so two policies see
+exactly the same arrivals.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field, replace
+
+
+class WorkloadError(ValueError):
+    """A workload that cannot be generated (negative rate, empty tenant list...)."""
+
+
+@dataclass(frozen=True)
+class LengthDist:
+    """Token lengths: `fixed`, `uniform` on [low, high], or `lognormal` with the given
+    mean and sigma (of the log), clipped to [low, high]."""
+
+    kind: str = "fixed"
+    mean: float = 128.0
+    sigma: float = 0.5
+    low: int = 1
+    high: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("fixed", "uniform", "lognormal"):
+            raise WorkloadError(f"length kind must be fixed, uniform or lognormal: {self.kind!r}")
+        if self.low < 1 or self.high < self.low:
+            raise WorkloadError("lengths need 1 <= low <= high")
+        if self.mean < 1 or self.sigma < 0:
+            raise WorkloadError("lengths need mean >= 1 and sigma >= 0")
+
+    def sample(self, rng: random.Random) -> int:
+        if self.kind == "fixed":
+            value = self.mean
+        elif self.kind == "uniform":
+            value = rng.uniform(self.low, self.high)
+        else:
+            # mu chosen so that the (unclipped) mean is `mean`.
+            mu = math.log(self.mean) - self.sigma * self.sigma / 2
+            value = rng.lognormvariate(mu, self.sigma)
+        return max(self.low, min(self.high, round(value)))
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """A tier as the queue and the engine see it (mirrors the tier row)."""
+
+    name: str
+    rank: int
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
+    min_share: float = 0.0
+    preemptible: bool = False
+    max_queue_ms: float | None = None
+    completion_window_s: float | None = None
+    prompt_len: LengthDist = field(default_factory=LengthDist)
+    output_len: LengthDist = field(default_factory=LengthDist)
+
+    @property
+    def has_latency_slo(self) -> bool:
+        return self.ttft_slo_ms is not None or self.tpot_slo_ms is not None
+
+
+@dataclass(frozen=True)
+class TenantSpec:
+    """A tenant: its tier, fair-share weight and share of the offered load.
+
+    on_windows_s: (start, end) intervals in which it sends; empty means always.
+    rate_scale: multiplies its share, so a suite can make one tenant send faster than
+    its weight says.
+    """
+
+    tenant_id: str
+    tier: str
+    weight: float = 1.0
+    load_share: float = 1.0
+    on_windows_s: tuple[tuple[float, float], ...] = ()
+
+    def is_on(self, t_s: float) -> bool:
+        if not self.on_windows_s:
+            return True
+        return any(start <= t_s < end for start, end in self.on_windows_s)
+
+
+@dataclass(frozen=True)
+class Surge:
+    """The offered rate is multiplied by `multiplier` in [start_s, start_s + duration_s)."""
+
+    start_s: float
+    duration_s: float
+    multiplier: float
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    tiers: tuple[TierSpec, ...]
+    tenants: tuple[TenantSpec, ...]
+    rate_per_s: float
+    duration_s: float
+    arrival: str = "poisson"  # or "gamma"
+    burstiness_cv: float = 1.0  # coefficient of variation of gamma gaps; 1 is Poisson
+    surges: tuple[Surge, ...] = ()
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.tiers or not self.tenants:
+            raise WorkloadError("a workload needs at least one tier and one tenant")
+        if not math.isfinite(self.rate_per_s) or self.rate_per_s < 0:
+            raise WorkloadError("rate_per_s must be a finite number >= 0")
+        if not math.isfinite(self.duration_s) or self.duration_s <= 0:
+            raise WorkloadError("duration_s must be > 0")
+        if self.arrival not in ("poisson", "gamma"):
+            raise WorkloadError(f"arrival must be poisson or gamma: {self.arrival!r}")
+        if self.burstiness_cv <= 0:
+            raise WorkloadError("burstiness_cv must be > 0")
+        names = {t.name for t in self.tiers}
+        for tenant in self.tenants:
+            if tenant.tier not in names:
+                raise WorkloadError(f"tenant {tenant.tenant_id} has unknown tier {tenant.tier}")
+            if tenant.weight <= 0 or tenant.load_share < 0:
+                raise WorkloadError(f"tenant {tenant.tenant_id}: weight > 0, load_share >= 0")
+        if sum(t.load_share for t in self.tenants) <= 0:
+            raise WorkloadError("the tenants' load shares sum to zero")
+        for surge in self.surges:
+            if surge.multiplier < 0 or surge.duration_s < 0:
+                raise WorkloadError("a surge needs multiplier >= 0 and duration_s >= 0")
+
+    def tier(self, name: str) -> TierSpec:
+        for tier in self.tiers:
+            if tier.name == name:
+                return tier
+        raise KeyError(name)
+
+    def with_rate(self, rate_per_s: float) -> WorkloadSpec:
+        return replace(self, rate_per_s=rate_per_s)
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    """One arrival: everything the queue and the engine need, with lengths drawn."""
+
+    request_id: str
+    arrival_s: float
+    tenant_id: str
+    tier: str
+    rank: int
+    weight: float
+    num_prompt_tokens: int
+    num_output_tokens: int  # generated until max_tokens (ignore_eos)
+    ttft_slo_ms: float | None
+    tpot_slo_ms: float | None
+    preemptible: bool
+    max_queue_ms: float | None = None
+    deadline_s: float | None = None
+
+
+def _multiplier(spec: WorkloadSpec, t_s: float) -> float:
+    m = 1.0
+    for surge in spec.surges:
+        if surge.start_s <= t_s < surge.start_s + surge.duration_s:
+            m *= surge.multiplier
+    return m
+
+
+def generate(spec: WorkloadSpec) -> list[SimRequest]:
+    """All arrivals of the workload, sorted by time.
+
+    Each tenant has its own arrival stream (rate = total × its share) so that on/off
+    windows and surges thin it without shifting anyone else's arrivals; surges and
+    windows are applied by thinning a stream drawn at the peak rate.
+    """
+    total_share = sum(t.load_share for t in spec.tenants)
+    peak = max([1.0] + [s.multiplier for s in spec.surges])
+    tiers = {t.name: t for t in spec.tiers}
+    out: list[SimRequest] = []
+    for tenant in spec.tenants:
+        rate = spec.rate_per_s * tenant.load_share / total_share
+        if rate <= 0:
+            continue
+        tier = tiers[tenant.tier]
+        trng = random.Random(f"{spec.seed}:{tenant.tenant_id}")
+        t = 0.0
+        peak_rate = rate * peak
+        cv = spec.burstiness_cv if spec.arrival == "gamma" else 1.0
+        shape = 1.0 / (cv * cv)
+        n = 0
+        while True:
+            if cv == 1.0:
+                t += trng.expovariate(peak_rate)
+            else:
+                t += trng.gammavariate(shape, 1.0 / (shape * peak_rate))
+            if t >= spec.duration_s:
+                break
+            if peak > 1.0 and trng.random() * peak > _multiplier(spec, t):
+                continue
+            if not tenant.is_on(t):
+                continue
+            n += 1
+            deadline = t + tier.completion_window_s if tier.completion_window_s else None
+            out.append(
+                SimRequest(
+                    request_id=f"{tenant.tenant_id}-{n}",
+                    arrival_s=t,
+                    tenant_id=tenant.tenant_id,
+                    tier=tier.name,
+                    rank=tier.rank,
+                    weight=tenant.weight,
+                    num_prompt_tokens=tier.prompt_len.sample(trng),
+                    num_output_tokens=tier.output_len.sample(trng),
+                    ttft_slo_ms=tier.ttft_slo_ms,
+                    tpot_slo_ms=tier.tpot_slo_ms,
+                    preemptible=tier.preemptible,
+                    max_queue_ms=tier.max_queue_ms,
+                    deadline_s=deadline,
+                )
+            )
+    out.sort(key=lambda r: (r.arrival_s, r.request_id))
+    return out
+
+
+# ---- the standard mixes ----------------------------------------------------------------
+
+
+def three_tier_tiers(
+    *,
+    priority_ttft_ms: float = 500.0,
+    priority_tpot_ms: float = 50.0,
+    interactive_ttft_ms: float = 2000.0,
+    interactive_tpot_ms: float = 100.0,
+) -> tuple[TierSpec, ...]:
+    """The seeded tiers with chat-like lengths for the latency tiers and long batch jobs."""
+    return (
+        TierSpec(
+            "priority",
+            0,
+            ttft_slo_ms=priority_ttft_ms,
+            tpot_slo_ms=priority_tpot_ms,
+            min_share=0.0,
+            preemptible=False,
+            max_queue_ms=10_000,
+            prompt_len=LengthDist("lognormal", mean=512, sigma=0.6, low=16, high=4096),
+            output_len=LengthDist("lognormal", mean=192, sigma=0.6, low=8, high=1024),
+        ),
+        TierSpec(
+            "interactive",
+            1,
+            ttft_slo_ms=interactive_ttft_ms,
+            tpot_slo_ms=interactive_tpot_ms,
+            min_share=0.1,
+            preemptible=False,
+            max_queue_ms=30_000,
+            prompt_len=LengthDist("lognormal", mean=768, sigma=0.7, low=16, high=6144),
+            output_len=LengthDist("lognormal", mean=256, sigma=0.6, low=8, high=1024),
+        ),
+        TierSpec(
+            "batch",
+            2,
+            min_share=0.05,
+            preemptible=True,
+            completion_window_s=24 * 3600,
+            prompt_len=LengthDist("lognormal", mean=1024, sigma=0.5, low=64, high=6144),
+            output_len=LengthDist("lognormal", mean=384, sigma=0.5, low=16, high=1536),
+        ),
+    )
+
+
+def three_tier_mix(
+    rate_per_s: float,
+    duration_s: float,
+    *,
+    num_tenants_per_tier: tuple[int, int, int] = (2, 6, 4),
+    tier_load_shares: tuple[float, float, float] = (0.15, 0.5, 0.35),
+    seed: int = 0,
+    arrival: str = "poisson",
+    burstiness_cv: float = 1.0,
+    surges: tuple[Surge, ...] = (),
+    tiers: tuple[TierSpec, ...] | None = None,
+) -> WorkloadSpec:
+    """priority / interactive / batch with several tenants each, equal weights inside a
+    tier and the tier's load spread evenly over its tenants."""
+    tiers = tiers or three_tier_tiers()
+    tenants = []
+    for tier, count, share in zip(tiers, num_tenants_per_tier, tier_load_shares, strict=True):
+        for i in range(count):
+            tenants.append(TenantSpec(f"{tier.name}-{i}", tier.name, 1.0, share / count))
+    return WorkloadSpec(
+        tiers=tiers,
+        tenants=tuple(tenants),
+        rate_per_s=rate_per_s,
+        duration_s=duration_s,
+        arrival=arrival,
+        burstiness_cv=burstiness_cv,
+        surges=surges,
+        seed=seed,
+    )
+
+
+def many_tenants_mix(
+    rate_per_s: float, duration_s: float, num_tenants: int, *, seed: int = 0
+) -> WorkloadSpec:
+    """`num_tenants` spread over the three tiers (10% / 50% / 40%), Zipf-like load shares
+    so that a few tenants are heavy and most are light, weights 1 to 4."""
+    tiers = three_tier_tiers()
+    rng = random.Random(seed)
+    tenants = []
+    for i in range(num_tenants):
+        u = i / num_tenants
+        tier = tiers[0] if u < 0.1 else tiers[1] if u < 0.6 else tiers[2]
+        share = 1.0 / (1 + (i * 7919) % num_tenants) ** 0.8
+        tenants.append(TenantSpec(f"t{i}", tier.name, float(rng.randint(1, 4)), share))
+    return WorkloadSpec(tiers, tuple(tenants), rate_per_s, duration_s, seed=seed)

@@ -1,0 +1,103 @@
+"""Workload generation: rates, burstiness, surges, windows, lengths, determinism."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import statistics
+
+import pytest
+
+from scheduler.sim.workload import (
+    LengthDist,
+    Surge,
+    TenantSpec,
+    TierSpec,
+    WorkloadError,
+    WorkloadSpec,
+    generate,
+    many_tenants_mix,
+    three_tier_mix,
+)
+
+TIER = TierSpec("t", 0, ttft_slo_ms=100.0)
+
+
+def _gaps(spec: WorkloadSpec) -> list[float]:
+    times = [r.arrival_s for r in generate(spec)]
+    return [b - a for a, b in itertools.pairwise(times)]
+
+
+def test_poisson_rate_and_gamma_burstiness() -> None:
+    tenants = (TenantSpec("a", "t"),)
+    poisson = WorkloadSpec((TIER,), tenants, rate_per_s=50, duration_s=200, seed=1)
+    reqs = generate(poisson)
+    assert len(reqs) == pytest.approx(10_000, rel=0.05)
+    gaps = _gaps(poisson)
+    assert statistics.stdev(gaps) / statistics.mean(gaps) == pytest.approx(1.0, abs=0.05)
+    bursty = WorkloadSpec((TIER,), tenants, 50, 200, arrival="gamma", burstiness_cv=3.0, seed=1)
+    gaps = _gaps(bursty)
+    assert len(gaps) == pytest.approx(10_000, rel=0.1)
+    assert statistics.stdev(gaps) / statistics.mean(gaps) == pytest.approx(3.0, rel=0.15)
+
+
+def test_surges_windows_and_shares() -> None:
+    spec = WorkloadSpec(
+        (TIER,),
+        (TenantSpec("a", "t", load_share=3), TenantSpec("b", "t", on_windows_s=((0, 50),))),
+        rate_per_s=40,
+        duration_s=100,
+        surges=(Surge(60, 20, 4.0),),
+        seed=3,
+    )
+    reqs = generate(spec)
+    a = [r for r in reqs if r.tenant_id == "a"]
+    b = [r for r in reqs if r.tenant_id == "b"]
+    assert all(r.arrival_s < 50 for r in b)
+    assert len(b) == pytest.approx(10 * 50, rel=0.15)
+    in_surge = sum(1 for r in a if 60 <= r.arrival_s < 80)
+    before = sum(1 for r in a if 20 <= r.arrival_s < 40)
+    assert in_surge / before == pytest.approx(4.0, rel=0.2)
+    assert [r.arrival_s for r in reqs] == sorted(r.arrival_s for r in reqs)
+    assert generate(spec) == reqs  # deterministic for a seed
+
+
+def test_length_distributions() -> None:
+    rng = random.Random(0)
+    lognormal = LengthDist("lognormal", mean=200, sigma=0.5, low=1, high=100_000)
+    values = [lognormal.sample(rng) for _ in range(20_000)]
+    assert statistics.mean(values) == pytest.approx(200, rel=0.03)
+    clipped = LengthDist("uniform", low=5, high=9)
+    assert {clipped.sample(rng) for _ in range(500)} == {5, 6, 7, 8, 9}
+    assert LengthDist("fixed", mean=33).sample(rng) == 33
+
+
+def test_three_tier_and_many_tenant_mixes() -> None:
+    reqs = generate(three_tier_mix(20, 60, seed=2))
+    by_tier = {t: sum(1 for r in reqs if r.tier == t) for t in ("priority", "interactive", "batch")}
+    assert by_tier["interactive"] > by_tier["batch"] > by_tier["priority"] > 0
+    batch = next(r for r in reqs if r.tier == "batch")
+    assert batch.deadline_s == pytest.approx(batch.arrival_s + 86_400)
+    assert batch.ttft_slo_ms is None
+    assert batch.preemptible
+    spec = many_tenants_mix(100, 10, 1000)
+    assert len(spec.tenants) == 1000
+    assert len({r.tenant_id for r in generate(spec)}) > 300
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"rate_per_s": -1}, "rate_per_s"),
+        ({"duration_s": 0}, "duration_s"),
+        ({"arrival": "weibull"}, "arrival"),
+        ({"tenants": (TenantSpec("a", "nope"),)}, "unknown tier"),
+        ({"tenants": (TenantSpec("a", "t", weight=0),)}, "weight"),
+    ],
+)
+def test_invalid_workloads_raise(kwargs: dict, match: str) -> None:
+    base = {"tiers": (TIER,), "tenants": (TenantSpec("a", "t"),), "rate_per_s": 1, "duration_s": 1}
+    with pytest.raises(WorkloadError, match=match):
+        WorkloadSpec(**{**base, **kwargs})
+    with pytest.raises(WorkloadError):
+        LengthDist("zipf")
