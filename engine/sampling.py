@@ -1,0 +1,96 @@
+"""Batched token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+
+Sampling uses the exponential-race form of the categorical draw (argmax of p / E with
+E ~ Exp(1)), so a seeded row only needs its own noise: the noise of a request with a
+seed comes from a generator keyed by (seed, output position), which makes its output
+independent of the batch it shares and of preemption.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.request import SamplingParams
+
+_NOISE_FLOOR = 1e-10  # keeps the exponential noise away from zero (division below)
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    output_positions: Sequence[int],
+    generator: torch.Generator | None = None,
+) -> list[int]:
+    """One token id per row of `logits` `[N, vocab]` (float32).
+
+    output_positions[i] is how many tokens row i's request has generated so far; it keys
+    the noise of seeded requests. `generator` draws the noise of unseeded ones.
+    """
+    if logits.shape[0] == 0:
+        return []
+    if all(p.is_greedy for p in params):
+        return logits.argmax(dim=-1).tolist()
+    device = logits.device
+    temperatures = torch.tensor(
+        [p.temperature if not p.is_greedy else 1.0 for p in params],
+        dtype=torch.float32,
+        device=device,
+    )
+    logits = logits / temperatures[:, None]
+    if any(p.top_k > 0 for p in params) or any(p.top_p < 1.0 for p in params):
+        logits = _apply_top_k_top_p(logits, params)
+    probs = logits.softmax(dim=-1)
+    noise = _exponential_noise(probs, params, output_positions, generator)
+    sampled = (probs / noise).argmax(dim=-1)
+    greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
+    if greedy_rows:
+        rows = torch.tensor(greedy_rows, device=device)
+        sampled[rows] = logits[rows].argmax(dim=-1)
+    return sampled.tolist()
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    vocab_size = logits.shape[-1]
+    device = logits.device
+    top_k = torch.tensor(
+        [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], device=device
+    )
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab_size, device=device)[None, :]
+    is_cut = ranks >= top_k[:, None]
+    sorted_logits = sorted_logits.masked_fill(is_cut, float("-inf"))
+    # Keep the smallest prefix whose mass reaches top_p: a token is cut when the mass
+    # before it already reaches top_p (the top token always survives).
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def _exponential_noise(
+    probs: torch.Tensor,
+    params: Sequence[SamplingParams],
+    output_positions: Sequence[int],
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    for row, (p, position) in enumerate(zip(params, output_positions, strict=True)):
+        if p.seed is None or p.is_greedy:
+            continue
+        # Drawn on the CPU so a seed gives the same tokens on every device.
+        seeded = torch.Generator(device="cpu").manual_seed(_mix(p.seed, position))
+        row_noise = torch.empty(probs.shape[-1], dtype=torch.float32).exponential_(
+            generator=seeded
+        )
+        noise[row] = row_noise.to(probs.device)
+    return noise.clamp_min_(_NOISE_FLOOR)
+
+
+def _mix(seed: int, position: int) -> int:
+    # A 64-bit mix of (seed, position) so neighbouring seeds do not share streams.
+    value = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    value ^= value >> 31
+    return value & (2**63 - 1)

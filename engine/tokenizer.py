@@ -1,0 +1,148 @@
+"""Text <-> token ids for the engine: encoding, chat templates, eos ids, and incremental
+detokenization with stop strings.
+
+Wraps the Hugging Face fast tokenizer of the checkpoint (or the built-in one).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.config import TINY_RANDOM
+from engine.errors import InvalidRequestError, ModelLoadError
+
+_ASSETS_DIR = Path(__file__).resolve().parent / "assets"
+# Tokens of prompt context kept in front of the output when decoding deltas: enough for
+# tokenizers whose decode of a token depends on its neighbours (leading-space rules).
+_CONTEXT_TOKENS = 6
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class Tokenizer:
+    """A checkpoint's tokenizer: encode/decode, chat template and end-of-sequence ids."""
+
+    def __init__(self, source: str | Path) -> None:
+        path = _ASSETS_DIR if str(source) == TINY_RANDOM else Path(source)
+        try:
+            from transformers import AutoTokenizer
+
+            # transformers warns about things a serving process cannot act on.
+            logging.getLogger("transformers").setLevel(logging.ERROR)
+            self._hf = AutoTokenizer.from_pretrained(str(path))
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            raise ModelLoadError(f"cannot load the tokenizer from {path}: {exc}") from exc
+        self.eos_token_ids = _eos_token_ids(self._hf, path)
+        self.vocab_size = len(self._hf)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, with the special tokens the checkpoint adds (BOS...)."""
+        return list(self._hf.encode(text))
+
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self._hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of a conversation rendered with the checkpoint's chat template."""
+        if not getattr(self._hf, "chat_template", None):
+            raise InvalidRequestError("this model has no chat template", param="messages")
+        try:
+            rendered = self._hf.apply_chat_template(
+                list(messages), add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+        except Exception as exc:  # jinja raises its own errors for malformed messages
+            raise InvalidRequestError(f"cannot render messages: {exc}", param="messages") from exc
+        # The template already holds BOS where the model wants it.
+        return list(self._hf.encode(rendered, add_special_tokens=False))
+
+    def detokenizer(self, prompt_token_ids: Sequence[int], stop: Sequence[str] = ()):
+        return IncrementalDetokenizer(self, prompt_token_ids, stop)
+
+
+def _eos_token_ids(hf: Any, path: Path) -> frozenset[int]:
+    ids: set[int] = set()
+    if hf.eos_token_id is not None:
+        ids.add(int(hf.eos_token_id))
+    generation_config = path / "generation_config.json"
+    if generation_config.is_file():
+        try:
+            eos = json.loads(generation_config.read_text(encoding="utf-8")).get("eos_token_id")
+        except (OSError, ValueError):
+            eos = None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(int(t) for t in eos if isinstance(t, int))
+    return frozenset(ids)
+
+
+@dataclass
+class TextDelta:
+    text: str  # new text to send; joined deltas equal the final text
+    stopped: bool  # a stop string matched: the request should finish with "stop"
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output ids into text deltas.
+
+    A delta never ends inside a multi-byte character (the decoder's replacement char
+    means "wait for more bytes"), and with stop strings the last max(len(stop)) - 1
+    characters are held back until they cannot begin a stop string, so a stop string is
+    never sent, even in part.
+    """
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str]
+    ) -> None:
+        self._tokenizer = tokenizer
+        context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._ids = context
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self._stop = tuple(stop)
+        self._hold_chars = max((len(s) for s in self._stop), default=1) - 1
+        self.text = ""  # all decoded output text (stop string cut once matched)
+        self._num_sent_chars = 0
+
+    def add(self, token_ids: Sequence[int], *, is_last: bool) -> TextDelta:
+        """Add newly generated ids; `is_last` flushes everything held back."""
+        self._ids.extend(token_ids)
+        decode = self._tokenizer.decode
+        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset])
+        full_text = decode(self._ids[self._prefix_offset :])
+        if len(full_text) > len(prefix_text) and not full_text.endswith(_REPLACEMENT_CHAR):
+            new_text = full_text[len(prefix_text) :]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._ids)
+            search_from = max(0, len(self.text) - self._hold_chars)
+            self.text += new_text
+            stopped = self._cut_at_stop(search_from)
+            if stopped:
+                return TextDelta(self._flush(), True)
+        if is_last:
+            return TextDelta(self._flush(), False)
+        sendable = len(self.text) - self._hold_chars
+        if sendable <= self._num_sent_chars:
+            return TextDelta("", False)
+        delta = self.text[self._num_sent_chars : sendable]
+        self._num_sent_chars = sendable
+        return TextDelta(delta, False)
+
+    def _cut_at_stop(self, search_from: int) -> bool:
+        positions = [self.text.find(s, search_from) for s in self._stop]
+        found = [p for p in positions if p >= 0]
+        if not found:
+            return False
+        self.text = self.text[: min(found)]
+        return True
+
+    def _flush(self) -> str:
+        delta = self.text[self._num_sent_chars :]
+        self._num_sent_chars = len(self.text)
+        return delta
