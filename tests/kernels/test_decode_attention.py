@@ -1,0 +1,81 @@
+"""decode_attention and its reference against dense attention over gathered K/V."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.decode_attention import decode_attention_ref
+
+# (num_heads, num_kv_heads): GQA ratios 1, 4 and 8.
+HEADS = [(4, 4), (8, 2), (16, 2)]
+# Odd lengths, exact block multiples, partially filled last blocks, a length-1 context.
+MANY_LENS = [1, 37, 16, 64, 5, 100, 33]
+
+
+def _run_case(impl, paged_kv, dense_attention, lens, heads, head_dim, block_size, **kw):
+    num_heads, num_kv_heads = heads
+    cache = paged_kv(lens, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size)
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn((len(lens), num_heads, head_dim), generator=gen)
+    scale = head_dim**-0.5
+    out = impl(q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, scale)
+    assert out.shape == q.shape
+    assert out.dtype == q.dtype
+    for seq, length in enumerate(lens):
+        expected = dense_attention(
+            q[seq : seq + 1], cache.keys[seq], cache.values[seq], length - 1, scale
+        )
+        torch.testing.assert_close(out[seq : seq + 1].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", HEADS)
+def test_ref_matches_dense_attention(paged_kv, dense_attention, heads, head_dim, block_size):
+    _run_case(
+        decode_attention_ref, paged_kv, dense_attention, MANY_LENS, heads, head_dim, block_size
+    )
+
+
+@pytest.mark.parametrize("length", [1, 15, 16, 17, 250])
+def test_ref_single_sequence(paged_kv, dense_attention, length):
+    _run_case(decode_attention_ref, paged_kv, dense_attention, [length], (8, 1), 64, 16)
+
+
+def test_ref_empty_batch(paged_kv):
+    cache = paged_kv([4], num_kv_heads=2, head_dim=64, block_size=16)
+    q = torch.empty((0, 2, 64))
+    empty_tables = cache.block_tables[:0]
+    out = decode_attention_ref(
+        q, cache.k_cache, cache.v_cache, empty_tables, cache.context_lens[:0], 0.125
+    )
+    assert out.shape == (0, 2, 64)
+
+
+def _valid_args(paged_kv):
+    cache = paged_kv([20, 3], num_kv_heads=2, head_dim=64, block_size=16)
+    q = torch.randn((2, 4, 64))
+    return [q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, 0.125]
+
+
+@pytest.mark.parametrize(
+    ("index", "bad", "error"),
+    [
+        (0, lambda a: a.to(torch.float16), TypeError),  # q dtype != cache dtype
+        (0, lambda a: a[:, :3], ValueError),  # 3 query heads over 2 KV heads
+        (0, lambda a: a[..., :32], ValueError),  # head_dim mismatch
+        (0, lambda a: a[0], ValueError),  # rank 2
+        (3, lambda a: a.float(), TypeError),  # float block table
+        (3, lambda a: a[:1], ValueError),  # one table row for two sequences
+        (4, lambda a: a.tolist(), TypeError),  # not a tensor
+        (4, lambda a: torch.zeros_like(a), ValueError),  # empty context
+        (4, lambda a: a + 1000, ValueError),  # longer than the block table
+        (2, lambda a: a[:, :8], ValueError),  # v_cache shape != k_cache shape
+    ],
+)
+def test_ref_rejects_bad_input(paged_kv, index, bad, error):
+    args = _valid_args(paged_kv)
+    args[index] = bad(args[index])
+    with pytest.raises(error):
+        decode_attention_ref(*args)

@@ -1,0 +1,33 @@
+"""resolve: Triton launchers on CUDA when Triton works, references otherwise."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from kernels.registry import OPS, is_triton_available, resolve
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_cpu_gets_the_reference(op):
+    assert resolve(op, "cpu").__name__ == f"{op}_ref"
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_cuda_gets_triton_only_when_usable(op):
+    fn = resolve(op, "cuda")
+    expected = op if is_triton_available() else f"{op}_ref"
+    assert fn.__name__ == expected
+
+
+def test_unknown_op_is_a_value_error():
+    with pytest.raises(ValueError, match="unknown kernel op"):
+        resolve("flash_mla", "cuda")
+
+
+def test_triton_availability_follows_the_device():
+    assert is_triton_available() == (
+        torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
+    )
