@@ -33,8 +33,9 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8000
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    # The engine's KV cache size; None lets the engine size it from free memory.
-    num_kv_blocks: int | None = None
+    # The engine's KV cache budget; None lets the engine size it from free memory.
+    kv_cache_bytes: int | None = None
+    max_model_len: int | None = None  # None: the model's own context length
     auth_cache_ttl_s: float = 5.0
     usage_flush_interval_s: float = 0.5
 
@@ -76,7 +77,8 @@ _ENV: dict[str, tuple[str, type]] = {
     "TIERGATE_HOST": ("host", str),
     "TIERGATE_PORT": ("port", int),
     "TIERGATE_MAX_BODY_BYTES": ("max_body_bytes", int),
-    "TIERGATE_NUM_KV_BLOCKS": ("num_kv_blocks", int),
+    "TIERGATE_KV_CACHE_BYTES": ("kv_cache_bytes", int),
+    "TIERGATE_MAX_MODEL_LEN": ("max_model_len", int),
 }
 
 

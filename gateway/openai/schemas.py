@@ -152,13 +152,20 @@ def _options(data: dict[str, Any], *, chat: bool) -> GenerationOptions:
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
-        seed=_optional(data, "seed", int),
+        seed=_seed(data),
         stop=_stop(data),
         stream=stream,
         include_usage=include_usage,
         user=_optional(data, "user", str),
         service_tier=_optional(data, "service_tier", str),
     )
+
+
+def _seed(data: dict[str, Any]) -> int | None:
+    seed = _optional(data, "seed", int)
+    if seed is not None and not -(2**63) <= seed < 2**63:
+        raise InvalidRequestError("seed must be a 64-bit integer.", param="seed")
+    return seed
 
 
 def _prompt(data: dict[str, Any]) -> str | tuple[int, ...]:

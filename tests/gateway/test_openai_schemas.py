@@ -1,0 +1,188 @@
+"""Request bodies -> typed requests: what is accepted, and the 400 every bad body gets."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway.errors import InvalidRequestError
+from gateway.openai.schemas import (
+    ChatMessage,
+    parse_chat_request,
+    parse_completion_request,
+    parse_json_object,
+)
+
+
+def _body(**fields: object) -> bytes:
+    return json.dumps(fields).encode()
+
+
+def test_completion_defaults_and_fields() -> None:
+    req = parse_completion_request(_body(model="m", prompt="hi"))
+    assert req.prompt == "hi"
+    opts = req.options
+    assert (opts.max_tokens, opts.temperature, opts.top_p, opts.stream) == (None, 1.0, 1.0, False)
+    assert (opts.stop, opts.service_tier, opts.include_usage) == ((), None, False)
+
+    req = parse_completion_request(
+        _body(
+            model="m",
+            prompt=[1, 2, 3],
+            max_tokens=5,
+            temperature=0,
+            top_p=0.5,
+            seed=7,
+            stop="\n",
+            n=1,
+            stream=True,
+            stream_options={"include_usage": True},
+            user="u1",
+            service_tier="batch",
+            logprobs=None,
+            presence_penalty=0,
+        )
+    )
+    assert req.prompt == (1, 2, 3)
+    opts = req.options
+    assert (opts.max_tokens, opts.temperature, opts.top_p, opts.seed) == (5, 0.0, 0.5, 7)
+    assert (opts.stop, opts.stream, opts.include_usage) == (("\n",), True, True)
+    assert (opts.user, opts.service_tier) == ("u1", "batch")
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [(["one"], "one"), ([[4, 5]], (4, 5)), ("", "")],
+)
+def test_completion_accepts_a_batch_of_one(prompt: object, expected: object) -> None:
+    assert parse_completion_request(_body(model="m", prompt=prompt)).prompt == expected
+
+
+def test_chat_messages_and_max_completion_tokens() -> None:
+    req = parse_chat_request(
+        _body(
+            model="m",
+            messages=[
+                {"role": "system", "content": "be brief"},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                },
+                {"role": "assistant", "content": None},
+            ],
+            max_tokens=50,
+            max_completion_tokens=3,
+        )
+    )
+    assert req.messages == (
+        ChatMessage("system", "be brief"),
+        ChatMessage("user", "ab"),
+        ChatMessage("assistant", ""),
+    )
+    assert req.options.max_tokens == 3
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "x"}, "model"),
+        ({"model": 3, "prompt": "x"}, "model"),
+        ({"model": "m"}, "prompt"),
+        ({"model": "m", "prompt": 5}, "prompt"),
+        ({"model": "m", "prompt": []}, "prompt"),
+        ({"model": "m", "prompt": ["a", "b"]}, "prompt"),
+        ({"model": "m", "prompt": [1, -2]}, "prompt"),
+        ({"model": "m", "prompt": [1, True]}, "prompt"),
+        ({"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"model": "m", "prompt": "x", "max_tokens": "5"}, "max_tokens"),
+        ({"model": "m", "prompt": "x", "max_tokens": 2.5}, "max_tokens"),
+        ({"model": "m", "prompt": "x", "temperature": -0.1}, "temperature"),
+        ({"model": "m", "prompt": "x", "temperature": 2.5}, "temperature"),
+        ({"model": "m", "prompt": "x", "temperature": "hot"}, "temperature"),
+        ({"model": "m", "prompt": "x", "top_p": 0}, "top_p"),
+        ({"model": "m", "prompt": "x", "top_p": 1.5}, "top_p"),
+        ({"model": "m", "prompt": "x", "n": 2}, "n"),
+        ({"model": "m", "prompt": "x", "seed": "1"}, "seed"),
+        ({"model": "m", "prompt": "x", "seed": 2**70}, "seed"),
+        ({"model": "m", "prompt": "x", "stop": 5}, "stop"),
+        ({"model": "m", "prompt": "x", "stop": ["a", ""]}, "stop"),
+        ({"model": "m", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"model": "m", "prompt": "x", "stream": "yes"}, "stream"),
+        (
+            {"model": "m", "prompt": "x", "stream_options": {"include_usage": True}},
+            "stream_options",
+        ),
+        (
+            {"model": "m", "prompt": "x", "stream": True, "stream_options": {"include_usage": 1}},
+            "stream_options.include_usage",
+        ),
+        ({"model": "m", "prompt": "x", "user": 5}, "user"),
+        ({"model": "m", "prompt": "x", "service_tier": 1}, "service_tier"),
+        ({"model": "m", "prompt": "x", "presence_penalty": 1}, "presence_penalty"),
+        ({"model": "m", "prompt": "x", "logprobs": 2}, "logprobs"),
+        ({"model": "m", "prompt": "x", "echo": True}, "echo"),
+    ],
+)
+def test_bad_completion_bodies_name_the_param(body: dict, param: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        parse_completion_request(json.dumps(body).encode())
+    assert info.value.param == param
+
+
+@pytest.mark.parametrize(
+    ("messages", "param"),
+    [
+        (None, "messages"),
+        ([], "messages"),
+        ("hi", "messages"),
+        (["hi"], "messages[0]"),
+        ([{"content": "x"}], "messages[0].role"),
+        ([{"role": "wizard", "content": "x"}], "messages[0].role"),
+        ([{"role": "user", "content": 5}], "messages[0].content"),
+        ([{"role": "user"}], "messages[0].content"),
+        ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content[0]"),
+        ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content[0].text"),
+    ],
+)
+def test_bad_chat_messages_name_the_param(messages: object, param: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        parse_chat_request(_body(model="m", messages=messages))
+    assert info.value.param == param
+
+
+def test_chat_max_completion_tokens_errors_name_it() -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        parse_chat_request(
+            _body(model="m", messages=[{"role": "user", "content": "x"}], max_completion_tokens=0)
+        )
+    assert info.value.param == "max_completion_tokens"
+
+
+@pytest.mark.parametrize(
+    ("raw", "code"),
+    [
+        (b"\xff\xfe{}", "invalid_utf8"),
+        (b'{"model": "m\xc3"}', "invalid_utf8"),
+        (b"{", "invalid_json"),
+        (b"[1, 2]", "invalid_json"),
+        (b'"text"', "invalid_json"),
+        (b'{"temperature": NaN}', "invalid_json"),
+        (b'{"temperature": Infinity}', "invalid_json"),
+    ],
+)
+def test_undecodable_bodies(raw: bytes, code: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        parse_json_object(raw)
+    assert info.value.code == code
+
+
+def test_empty_body() -> None:
+    with pytest.raises(InvalidRequestError, match="empty"):
+        parse_json_object(b"  ")
+
+
+def test_non_finite_number_from_overflow() -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        parse_completion_request(b'{"model": "m", "prompt": "x", "temperature": 1e999}')
+    assert info.value.param == "temperature"
