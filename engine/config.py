@@ -23,7 +23,8 @@ class EngineConfig:
     kv_cache_bytes: KV cache budget; None sizes it from free memory (CUDA) or a fixed
     share of the model's context on CPU.
     max_prefill_chunk_tokens: the longest prefill piece one step runs (chunked prefill);
-    None means no chunking beyond the step's token budget.
+    None means no cap beyond the step's token budget. enable_chunked_prefill=False runs
+    every prompt in one step (then max_model_len is capped at max_num_batched_tokens).
     """
 
     model: str = TINY_RANDOM
@@ -35,6 +36,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     max_prefill_chunk_tokens: int | None = 512
+    enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
     seed: int = 0

@@ -1,0 +1,270 @@
+"""The synchronous engine: requests in, one step at a time, incremental outputs out.
+
+`step()` reads as schedule -> run -> postprocess. The step scheduler and block manager
+(pure Python) decide what runs; the model runner runs it; postprocessing appends the
+sampled tokens, detokenizes, checks stop conditions and retires finished requests.
+Not thread-safe: AsyncEngine drives it from one thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.cost_model import StepCostModel
+from engine.errors import ContextLengthExceededError, InvalidRequestError
+from engine.model_runner import ModelRunner, kv_cache_budget_bytes, num_kv_blocks
+from engine.models import load_model
+from engine.request import FinishReason, Priority, Request, SamplingParams
+from engine.step_scheduler import SchedulerConfig, StepPlan, StepScheduler
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+# Weight of the newest step in the measured token rates (exponential average).
+_RATE_SMOOTHING = 0.1
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """A request's state after a step: cumulative ids/text plus this step's delta."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # every output token so far
+    text: str  # the text sent so far (joined text deltas)
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: FinishReason | None
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    kv_cache_usage: float  # fraction of blocks in use
+    num_preemptions: int
+    num_recomputed_tokens: int
+    prefill_tokens_per_s: float  # measured, exponentially averaged over steps
+    decode_tokens_per_s: float
+    step_token_budget: int
+    num_steps: int
+
+
+@dataclass
+class _Tracked:
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    text: str = ""
+
+
+class LLMEngine:
+    """Loads the model and runs continuous batches over a paged KV cache."""
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        loaded = load_model(config.model, config.device, config.dtype)
+        self.tokenizer = Tokenizer(config.model)
+        self.model_name = config.model
+        arch = loaded.arch
+        self.vocab_size = arch.vocab_size
+        max_model_len = min(
+            config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings
+        )
+        if arch.sliding_window is not None:
+            # Sliding-window attention is not implemented: stay inside one window.
+            max_model_len = min(max_model_len, arch.sliding_window)
+        if not config.enable_chunked_prefill:
+            max_model_len = min(max_model_len, config.max_num_batched_tokens)
+        bytes_per_token = arch.kv_bytes_per_token(loaded.dtype.itemsize)
+        budget = kv_cache_budget_bytes(
+            loaded.device,
+            config.kv_cache_bytes,
+            config.gpu_memory_utilization,
+            needed_bytes=config.max_num_seqs * max_model_len * bytes_per_token,
+        )
+        num_blocks = num_kv_blocks(arch, config.block_size, loaded.dtype, budget)
+        self.runner = ModelRunner(
+            loaded, block_size=config.block_size, num_blocks=num_blocks, seed=config.seed
+        )
+        self.max_model_len = min(max_model_len, num_blocks * config.block_size)
+        try:
+            scheduler_config = SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_prefill_chunk_tokens=config.max_prefill_chunk_tokens
+                or config.max_num_batched_tokens,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                max_model_len=self.max_model_len,
+            )
+        except ValueError as exc:
+            raise InvalidRequestError(f"bad engine configuration: {exc}") from exc
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+        )
+        self.cost_model = StepCostModel()
+        self.scheduler = StepScheduler(
+            scheduler_config, self.block_manager, cost_model=self.cost_model
+        )
+        self._tracked: dict[str, _Tracked] = {}
+        self._prefill_tokens_per_s = 0.0
+        self._decode_tokens_per_s = 0.0
+
+    # ----------------------------------------------------------------- requests
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise the typed error `add_request` would raise; reads only immutable state,
+        so another thread may call it."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("params must be SamplingParams", param="params")
+        if len(prompt_token_ids) == 0:
+            raise InvalidRequestError("the prompt must hold at least one token", param="prompt")
+        for token in prompt_token_ids:
+            if isinstance(token, bool) or not isinstance(token, int):
+                raise InvalidRequestError("token ids must be integers", param="prompt")
+            if not 0 <= token < self.vocab_size:
+                raise InvalidRequestError(
+                    f"token id {token} is outside the vocabulary [0, {self.vocab_size})",
+                    param="prompt",
+                )
+        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            raise ContextLengthExceededError(
+                num_prompt_tokens=len(prompt_token_ids),
+                max_tokens=params.max_tokens,
+                max_model_len=self.max_model_len,
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        priority: Priority | None = None,
+    ) -> None:
+        """Queue a request; raises a typed error (and changes nothing) if it cannot run."""
+        self.validate(prompt_token_ids, params)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            priority=priority or Priority(arrival_s=time.monotonic()),
+        )
+        self.scheduler.add(request)
+        detokenizer = self.tokenizer.detokenizer(request.prompt_token_ids, params.stop)
+        self._tracked[request_id] = _Tracked(request, detokenizer)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Drop a request wherever it is and free its blocks; False if unknown."""
+        self._tracked.pop(request_id, None)
+        return self.scheduler.abort(request_id) is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def can_accept(self, rank: int | None = None) -> bool:
+        return self.scheduler.can_accept(rank)
+
+    # ----------------------------------------------------------------- the step
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns an output for every request that made a token."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        started_s = time.perf_counter()
+        tokens = self.runner.execute(plan.chunks)
+        elapsed_s = time.perf_counter() - started_s
+        outputs = self._postprocess(plan, tokens)
+        self._record(plan, elapsed_s)
+        return outputs
+
+    def _postprocess(self, plan: StepPlan, tokens: list[int | None]) -> list[RequestOutput]:
+        outputs = []
+        now_s = time.monotonic()
+        eos_ids = self.tokenizer.eos_token_ids
+        for chunk, token in zip(plan.chunks, tokens, strict=True):
+            tracked = self._tracked.get(chunk.request.request_id)
+            if token is None or tracked is None:
+                continue
+            request = tracked.request
+            params = request.params
+            request.output_token_ids.append(token)
+            if request.first_token_s is None:
+                request.first_token_s = now_s
+            reason = None
+            if token in params.stop_token_ids or (not params.ignore_eos and token in eos_ids):
+                reason = FinishReason.STOP
+            elif (
+                request.num_output_tokens >= params.max_tokens
+                or request.num_tokens >= self.max_model_len
+            ):
+                reason = FinishReason.LENGTH
+            delta = tracked.detokenizer.add([token], is_last=reason is not None)
+            if delta.stopped:
+                reason = FinishReason.STOP
+            tracked.text += delta.text
+            if reason is not None:
+                self.scheduler.finish(request, reason)
+                del self._tracked[request.request_id]
+            outputs.append(
+                RequestOutput(
+                    request_id=request.request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    token_ids=list(request.output_token_ids),
+                    text=tracked.text,
+                    new_token_ids=[token],
+                    text_delta=delta.text,
+                    finished=reason is not None,
+                    finish_reason=reason,
+                    num_cached_tokens=request.num_cached_tokens,
+                )
+            )
+        return outputs
+
+    def _record(self, plan: StepPlan, elapsed_s: float) -> None:
+        num_seqs = len(plan.chunks)
+        self.cost_model.observe(plan.num_batched_tokens, num_seqs, elapsed_s)
+        num_decode = sum(1 for c in plan.chunks if c.is_decode)
+        num_prefill = plan.num_batched_tokens - num_decode
+        if elapsed_s <= 0:
+            return
+        # A mixed step's time is charged to the phase that dominates its tokens.
+        if num_prefill > num_decode:
+            self._prefill_tokens_per_s = _smooth(
+                self._prefill_tokens_per_s, num_prefill / elapsed_s
+            )
+        elif num_prefill == 0:
+            self._decode_tokens_per_s = _smooth(self._decode_tokens_per_s, num_decode / elapsed_s)
+
+    def stats(self) -> EngineStats:
+        scheduler_stats = self.scheduler.stats
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_free_blocks=self.block_manager.num_free_blocks,
+            num_total_blocks=self.block_manager.num_blocks,
+            kv_cache_usage=self.block_manager.usage(),
+            num_preemptions=scheduler_stats.num_preemptions,
+            num_recomputed_tokens=scheduler_stats.num_recomputed_tokens,
+            prefill_tokens_per_s=self._prefill_tokens_per_s,
+            decode_tokens_per_s=self._decode_tokens_per_s,
+            step_token_budget=self.scheduler.config.max_num_batched_tokens,
+            num_steps=scheduler_stats.num_steps,
+        )
+
+
+def _smooth(previous: float, sample: float) -> float:
+    if previous == 0.0:
+        return sample
+    return (1 - _RATE_SMOOTHING) * previous + _RATE_SMOOTHING * sample

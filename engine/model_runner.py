@@ -1,0 +1,167 @@
+"""Runs one step plan on the model: builds the flattened batch, runs it, samples.
+
+The runner owns the KV cache tensors and nothing else of the engine's state: the step
+scheduler decides what runs and the block manager which slots it uses; the runner turns
+that into tensors. Per-token Python work is kept to the decode tokens' few integers;
+prefill chunks are converted with tensor ops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from engine.errors import ModelLoadError
+from engine.models import AttentionMetadata, LoadedModel, ModelArch
+from engine.request import Request
+from engine.sampling import sample
+
+_CPU_DEFAULT_KV_CACHE_BYTES = 512 * 2**20
+# Left free on a GPU for activations and the allocator's slack when sizing the cache.
+_CUDA_ACTIVATION_RESERVE_BYTES = 1 * 2**30
+
+
+class Chunk(Protocol):
+    """What the runner reads of a scheduled chunk (engine.step_scheduler.ScheduledChunk)."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    produces_token: bool
+
+
+def kv_cache_budget_bytes(
+    device: torch.device, requested_bytes: int | None, utilization: float, needed_bytes: int
+) -> int:
+    """The KV cache budget: as asked, else free GPU memory x utilisation, else (CPU)
+    what the configured batch can use, capped so a laptop is not swamped."""
+    if requested_bytes is not None:
+        return requested_bytes
+    if device.type == "cuda":
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+        return max(0, int(free_bytes * utilization) - _CUDA_ACTIVATION_RESERVE_BYTES)
+    return min(needed_bytes, _CPU_DEFAULT_KV_CACHE_BYTES)
+
+
+def num_kv_blocks(arch: ModelArch, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
+    """How many KV blocks fit in `budget_bytes`."""
+    bytes_per_block = arch.kv_bytes_per_token(dtype.itemsize) * block_size
+    return budget_bytes // bytes_per_block
+
+
+class ModelRunner:
+    """Executes step plans on one device with a paged KV cache of `num_blocks` blocks."""
+
+    def __init__(
+        self, loaded: LoadedModel, *, block_size: int, num_blocks: int, seed: int = 0
+    ) -> None:
+        if num_blocks < 1:
+            raise ModelLoadError("the KV cache budget is too small for even one block")
+        self.model = loaded.model
+        self.arch = loaded.arch
+        self.device = loaded.device
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        shape = (num_blocks, block_size, self.arch.num_kv_heads, self.arch.head_dim)
+        # Zeroed, not empty: padding slots are masked, but 0 * NaN would still be NaN.
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=loaded.dtype, device=self.device),
+                torch.zeros(shape, dtype=loaded.dtype, device=self.device),
+            )
+            for _ in range(self.arch.num_layers)
+        ]
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+
+    @torch.inference_mode()
+    def execute(self, chunks: Sequence[Chunk]) -> list[int | None]:
+        """Run one step; returns the sampled token of each chunk (None if it makes none)."""
+        if not chunks:
+            return []
+        decodes = [c for c in chunks if c.num_tokens == 1]
+        prefills = [c for c in chunks if c.num_tokens != 1]
+        input_ids, positions, meta, logit_rows = self._prepare(decodes, prefills)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        producing = [c for c in decodes + prefills if c.produces_token]
+        if not producing:
+            return [None] * len(chunks)
+        rows = torch.tensor(logit_rows, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        tokens = sample(
+            logits,
+            [c.request.params for c in producing],
+            [c.request.num_output_tokens for c in producing],
+            self.generator,
+        )
+        by_chunk = {id(c): t for c, t in zip(producing, tokens, strict=True)}
+        return [by_chunk.get(id(c)) for c in chunks]
+
+    def _prepare(self, decodes: list[Chunk], prefills: list[Chunk]):
+        bs = self.block_size
+        device = self.device
+        # Decodes: one token each, a handful of Python ints per sequence.
+        decode_ids = [_token_at(c.request, c.start) for c in decodes]
+        decode_positions = [c.start for c in decodes]
+        decode_slots = [
+            c.request.block_ids[p // bs] * bs + p % bs
+            for c, p in zip(decodes, decode_positions, strict=True)
+        ]
+        decode_lens = [p + 1 for p in decode_positions]
+        logit_rows = [i for i, c in enumerate(decodes) if c.produces_token]
+        # Prefill chunks: tensors per chunk.
+        ids_parts = [torch.tensor(decode_ids, dtype=torch.long)]
+        pos_parts = [torch.tensor(decode_positions, dtype=torch.long)]
+        slot_parts = [torch.tensor(decode_slots, dtype=torch.long)]
+        cu_seqlens = [0]
+        prefill_lens = []
+        offset = len(decodes)
+        for c in prefills:
+            req, start, n = c.request, c.start, c.num_tokens
+            ids_parts.append(torch.tensor(_tokens(req, start, n), dtype=torch.long))
+            pos = torch.arange(start, start + n, dtype=torch.long)
+            table = torch.tensor(req.block_ids[: (start + n + bs - 1) // bs], dtype=torch.long)
+            pos_parts.append(pos)
+            slot_parts.append(table[pos // bs] * bs + pos % bs)
+            cu_seqlens.append(cu_seqlens[-1] + n)
+            prefill_lens.append(start + n)
+            if c.produces_token:
+                logit_rows.append(offset + cu_seqlens[-1] - 1)
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slot_parts).to(device),
+            num_decode_tokens=len(decodes),
+            decode_block_tables=_block_tables(decodes, decode_lens, bs).to(device),
+            decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32).to(device),
+            prefill_block_tables=_block_tables(prefills, prefill_lens, bs).to(device),
+            cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32).to(device),
+            prefill_context_lens=torch.tensor(prefill_lens, dtype=torch.int32).to(device),
+        )
+        input_ids = torch.cat(ids_parts).to(device)
+        positions = torch.cat(pos_parts).to(device)
+        return input_ids, positions, meta, logit_rows
+
+
+def _token_at(request: Request, index: int) -> int:
+    num_prompt = len(request.prompt_token_ids)
+    if index < num_prompt:
+        return request.prompt_token_ids[index]
+    return request.output_token_ids[index - num_prompt]
+
+
+def _tokens(request: Request, start: int, num_tokens: int) -> list[int]:
+    end = start + num_tokens
+    if end <= len(request.prompt_token_ids):
+        return request.prompt_token_ids[start:end]
+    return request.all_token_ids[start:end]
+
+
+def _block_tables(chunks: Sequence[Chunk], context_lens: list[int], block_size: int):
+    if not chunks:
+        return torch.zeros((0, 1), dtype=torch.int32)
+    counts = [(n + block_size - 1) // block_size for n in context_lens]
+    width = max(counts)
+    rows = [
+        c.request.block_ids[:k] + [0] * (width - k) for c, k in zip(chunks, counts, strict=True)
+    ]
+    return torch.tensor(rows, dtype=torch.int32)
