@@ -1,0 +1,302 @@
+"""Admin API handlers for tiers, tenants and keys (mounted at /admin/v1).
+
+Every handler runs behind the admin bearer check and turns any exception into the one
+error table's response. Writes invalidate the in-process TierCatalog and
+KeyAuthenticator caches after they commit, so they apply at once in this process.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy.exc import IntegrityError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from gateway.admin.deps import AdminDeps
+from gateway.admin.validation import (
+    KEY_FIELDS,
+    KEY_ID,
+    TENANT_FIELDS,
+    TENANT_ID,
+    TIER_FIELDS,
+    TIER_NAME,
+    parse_fields,
+    query_int,
+    read_json_object,
+)
+from gateway.admin.views import key_view, list_view, tenant_view, tier_view
+from gateway.auth import generate_api_key
+from gateway.db import repo
+from gateway.db.models import Tenant, Tier
+from gateway.errors import (
+    AuthenticationError,
+    ConflictError,
+    InvalidRequestError,
+    NotFoundError,
+    error_response,
+)
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+# Defaults of a tier created without them: no SLO, no limits, free, not preemptible.
+TIER_DEFAULTS: dict[str, Any] = {
+    "ttft_slo_ms": None,
+    "tpot_slo_ms": None,
+    "max_queue_ms": None,
+    "completion_window_s": None,
+    "min_share": 0.0,
+    "preemptible": False,
+    "rpm": None,
+    "tpm": None,
+    "max_concurrency": None,
+    "price_input_per_mtok": 0.0,
+    "price_output_per_mtok": 0.0,
+}
+
+
+def _check_admin(deps: AdminDeps, request: Request) -> None:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    # An empty configured token disables the admin API rather than accepting anyone.
+    ok = bool(deps.admin_token) and scheme.lower() == "bearer"
+    if not hmac.compare_digest(token.strip().encode(), deps.admin_token.encode()) or not ok:
+        raise AuthenticationError("Invalid or missing admin token", code="invalid_admin_token")
+
+
+def _guarded(deps: AdminDeps, handler: Handler) -> Handler:
+    async def endpoint(request: Request) -> Response:
+        try:
+            _check_admin(deps, request)
+            return await handler(request)
+        except Exception as exc:
+            return error_response(exc)
+
+    return endpoint
+
+
+def _path_id(request: Request, name: str, pattern, what: str) -> str:
+    value = request.path_params[name]
+    if not pattern.fullmatch(value):
+        raise NotFoundError(f"No {what} {value!r}", param=name)
+    return value
+
+
+async def _check_min_share(session, name: str, min_share: float) -> None:
+    total = await repo.sum_min_share(session, excluding=name) + min_share
+    if total > 1.0 + 1e-9:
+        raise InvalidRequestError(
+            f"min_share over all tiers would be {total:g}; it may not exceed 1",
+            param="min_share",
+        )
+
+
+def _build_routes(deps: AdminDeps) -> list[BaseRoute]:
+    sessions = deps.sessionmaker
+
+    # --- tiers ---------------------------------------------------------------------
+
+    async def list_tiers(request: Request) -> Response:
+        async with sessions() as session:
+            return JSONResponse(list_view([tier_view(t) for t in await repo.list_tiers(session)]))
+
+    async def create_tier(request: Request) -> Response:
+        values = parse_fields(
+            await read_json_object(request), TIER_FIELDS, required=("name", "rank")
+        )
+        async with sessions() as session:
+            if await repo.get_tier(session, values["name"]) is not None:
+                raise ConflictError(f"Tier {values['name']!r} already exists", param="name")
+            await _check_min_share(session, values["name"], values.get("min_share", 0.0))
+            tier = Tier(**{**TIER_DEFAULTS, **values})
+            session.add(tier)
+            try:
+                await session.commit()
+            except IntegrityError:
+                raise ConflictError(f"Tier {values['name']!r} already exists") from None
+        deps.tiers.invalidate()
+        return JSONResponse(tier_view(tier), status_code=201)
+
+    async def _tier_or_404(session, request: Request) -> Tier:
+        name = _path_id(request, "name", TIER_NAME, "tier")
+        tier = await repo.get_tier(session, name)
+        if tier is None:
+            raise NotFoundError(f"No tier {name!r}", param="name")
+        return tier
+
+    async def get_tier(request: Request) -> Response:
+        async with sessions() as session:
+            return JSONResponse(tier_view(await _tier_or_404(session, request)))
+
+    async def update_tier(request: Request) -> Response:
+        changes = parse_fields(await read_json_object(request), TIER_FIELDS)
+        async with sessions() as session:
+            tier = await _tier_or_404(session, request)
+            if changes.get("name", tier.name) != tier.name:
+                raise InvalidRequestError("A tier cannot be renamed", param="name")
+            if "min_share" in changes:
+                await _check_min_share(session, tier.name, changes["min_share"])
+            repo.apply_changes(tier, changes)
+            await session.commit()
+        deps.tiers.invalidate()
+        return JSONResponse(tier_view(tier))
+
+    async def delete_tier(request: Request) -> Response:
+        async with sessions() as session:
+            tier = await _tier_or_404(session, request)
+            num_tenants = await repo.count_tenants_on_tier(session, tier.name)
+            if num_tenants:
+                raise ConflictError(
+                    f"Tier {tier.name!r} is used by {num_tenants} tenant(s); move them first",
+                    code="tier_in_use",
+                )
+            await session.delete(tier)
+            try:
+                await session.commit()
+            except IntegrityError:  # a tenant joined the tier meanwhile
+                raise ConflictError(f"Tier {tier.name!r} is in use", code="tier_in_use") from None
+        deps.tiers.invalidate()
+        return JSONResponse({"object": "tier", "name": tier.name, "deleted": True})
+
+    # --- tenants -------------------------------------------------------------------
+
+    async def _check_tier_exists(session, name: str) -> None:
+        if await repo.get_tier(session, name) is None:
+            raise InvalidRequestError(f"Unknown tier {name!r}", param="tier", code="unknown_tier")
+
+    async def list_tenants(request: Request) -> Response:
+        limit = query_int(request, "limit", default=100, min=1, max=1000)
+        after = request.query_params.get("after")
+        if after is not None and not TENANT_ID.fullmatch(after):
+            raise InvalidRequestError("after must be a tenant id", param="after")
+        async with sessions() as session:
+            tenants = await repo.list_tenants(session, limit=limit + 1, after=after)
+        page = tenants[:limit]
+        return JSONResponse(
+            list_view(
+                [tenant_view(t) for t in page],
+                has_more=len(tenants) > limit,
+                last_id=page[-1].id if page else None,
+            )
+        )
+
+    async def create_tenant(request: Request) -> Response:
+        values = parse_fields(
+            await read_json_object(request), TENANT_FIELDS, required=("name", "tier")
+        )
+        async with sessions() as session:
+            await _check_tier_exists(session, values["tier"])
+            if await repo.get_tenant_by_name(session, values["name"]) is not None:
+                raise ConflictError(f"Tenant {values['name']!r} already exists", param="name")
+            tenant = Tenant(**{"weight": 1.0, "status": "active", **values})
+            session.add(tenant)
+            try:
+                await session.commit()
+            except IntegrityError:
+                raise ConflictError(f"Tenant {values['name']!r} already exists") from None
+        return JSONResponse(tenant_view(tenant), status_code=201)
+
+    async def _tenant_or_404(session, request: Request) -> Tenant:
+        tenant_id = _path_id(request, "tenant_id", TENANT_ID, "tenant")
+        tenant = await repo.get_tenant(session, tenant_id)
+        if tenant is None:
+            raise NotFoundError(f"No tenant {tenant_id!r}", param="tenant_id")
+        return tenant
+
+    async def get_tenant(request: Request) -> Response:
+        async with sessions() as session:
+            return JSONResponse(tenant_view(await _tenant_or_404(session, request)))
+
+    async def update_tenant(request: Request) -> Response:
+        changes = parse_fields(await read_json_object(request), TENANT_FIELDS)
+        async with sessions() as session:
+            tenant = await _tenant_or_404(session, request)
+            if "tier" in changes:
+                await _check_tier_exists(session, changes["tier"])
+            renamed = changes.get("name", tenant.name) != tenant.name
+            if renamed and await repo.get_tenant_by_name(session, changes["name"]) is not None:
+                raise ConflictError(f"Tenant {changes['name']!r} already exists")
+            repo.apply_changes(tenant, changes)
+            try:
+                await session.commit()
+            except IntegrityError:
+                raise ConflictError("Tenant name or tier changed concurrently") from None
+        deps.auth.invalidate_tenant(tenant.id)
+        return JSONResponse(tenant_view(tenant))
+
+    async def delete_tenant(request: Request) -> Response:
+        async with sessions() as session:
+            tenant = await _tenant_or_404(session, request)
+            await repo.delete_tenant(session, tenant.id)
+            await session.commit()
+        deps.auth.invalidate_tenant(tenant.id)
+        return JSONResponse({"object": "tenant", "id": tenant.id, "deleted": True})
+
+    # --- keys ----------------------------------------------------------------------
+
+    async def create_key(request: Request) -> Response:
+        values = parse_fields(await read_json_object(request, allow_empty=True), KEY_FIELDS)
+        if "expires_at" in values and "expires_in_s" in values:
+            raise InvalidRequestError(
+                "Give expires_at or expires_in_s, not both", param="expires_in_s"
+            )
+        expires_at = values.get("expires_at")
+        if "expires_in_s" in values:
+            expires_at = datetime.now(UTC) + timedelta(seconds=values["expires_in_s"])
+        secret, digest, prefix = generate_api_key()
+        async with sessions() as session:
+            tenant = await _tenant_or_404(session, request)
+            key = await repo.add_api_key(
+                session,
+                tenant_id=tenant.id,
+                digest=digest,
+                prefix=prefix,
+                name=values.get("name", ""),
+                expires_at=expires_at,
+            )
+            await session.commit()
+        # The only time the secret leaves the server.
+        return JSONResponse({**key_view(key), "secret": secret}, status_code=201)
+
+    async def list_keys(request: Request) -> Response:
+        async with sessions() as session:
+            tenant = await _tenant_or_404(session, request)
+            keys = await repo.list_api_keys(session, tenant.id)
+        return JSONResponse(list_view([key_view(k) for k in keys]))
+
+    async def revoke_key(request: Request) -> Response:
+        key_id = _path_id(request, "key_id", KEY_ID, "key")
+        async with sessions() as session:
+            key = await repo.revoke_api_key(session, key_id)
+            if key is None:
+                raise NotFoundError(f"No key {key_id!r}", param="key_id")
+            await session.commit()
+        deps.auth.invalidate_key(key.id)
+        return JSONResponse(key_view(key))
+
+    table: list[tuple[str, str, Handler]] = [
+        ("/tiers", "GET", list_tiers),
+        ("/tiers", "POST", create_tier),
+        ("/tiers/{name}", "GET", get_tier),
+        ("/tiers/{name}", "PATCH", update_tier),
+        ("/tiers/{name}", "DELETE", delete_tier),
+        ("/tenants", "GET", list_tenants),
+        ("/tenants", "POST", create_tenant),
+        ("/tenants/{tenant_id}", "GET", get_tenant),
+        ("/tenants/{tenant_id}", "PATCH", update_tenant),
+        ("/tenants/{tenant_id}", "DELETE", delete_tenant),
+        ("/tenants/{tenant_id}/keys", "POST", create_key),
+        ("/tenants/{tenant_id}/keys", "GET", list_keys),
+        ("/keys/{key_id}", "DELETE", revoke_key),
+    ]
+    return [
+        Route(path, _guarded(deps, handler), methods=[method]) for path, method, handler in table
+    ]
+
+
+def admin_routes(deps: AdminDeps) -> list[BaseRoute]:
+    """The admin API's routes, to mount at /admin/v1."""
+    return _build_routes(deps)

@@ -1,0 +1,178 @@
+"""Checking admin JSON bodies and query values at the edge: every mistake is a 400 with
+the offending field in `param`, never a database error (a 500) later."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from starlette.requests import Request
+
+from gateway.errors import InvalidRequestError, PayloadTooLargeError
+
+MAX_BODY_BYTES = 64 * 1024
+MAX_INT = 2**31 - 1  # the columns are 32-bit on PostgreSQL
+MAX_NUMBER = 1e12
+
+TIER_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")
+TENANT_ID = re.compile(r"ten_[0-9a-f]{24}")
+KEY_ID = re.compile(r"key_[0-9a-f]{24}")
+# Printable text: PostgreSQL rejects NUL, and control characters have no place in a name.
+_PRINTABLE = re.compile(r"[^\x00-\x1f\x7f]+")
+
+
+@dataclass(frozen=True)
+class Field:
+    """One accepted body field: JSON type, nullability and bounds."""
+
+    kind: str  # "int", "number", "bool", "str", "datetime"
+    nullable: bool = False
+    min: float | None = None
+    max: float | None = None
+    min_exclusive: bool = False
+    max_exclusive: bool = False
+    pattern: re.Pattern[str] | None = None
+    max_len: int = 100
+    choices: tuple[str, ...] | None = None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def read_json_object(request: Request, *, allow_empty: bool = False) -> dict[str, Any]:
+    """The request body as a JSON object; 400 if it is not one, 413 if too large."""
+    chunks: list[bytes] = []
+    num_bytes = 0
+    async for chunk in request.stream():
+        num_bytes += len(chunk)
+        if num_bytes > MAX_BODY_BYTES:
+            raise PayloadTooLargeError(f"Request body exceeds {MAX_BODY_BYTES} bytes")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if allow_empty and not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise InvalidRequestError(
+            f"Request body is not valid JSON: {exc}", code="invalid_json"
+        ) from None
+    if not isinstance(body, dict):
+        raise InvalidRequestError("Request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _check(name: str, value: Any, field: Field) -> Any:
+    if value is None:
+        if field.nullable:
+            return None
+        raise InvalidRequestError(f"{name} may not be null", param=name)
+    if field.kind == "bool":
+        if not isinstance(value, bool):
+            raise InvalidRequestError(f"{name} must be a boolean", param=name)
+        return value
+    if field.kind in ("int", "number"):
+        is_int = isinstance(value, int) and not isinstance(value, bool)
+        is_number = is_int or (isinstance(value, float) and math.isfinite(value))
+        if not (is_int if field.kind == "int" else is_number):
+            kind = "an integer" if field.kind == "int" else "a finite number"
+            raise InvalidRequestError(f"{name} must be {kind}", param=name)
+        upper = min(field.max if field.max is not None else math.inf, _upper(field.kind))
+        if field.min is not None and (
+            value <= field.min if field.min_exclusive else value < field.min
+        ):
+            op = ">" if field.min_exclusive else ">="
+            raise InvalidRequestError(f"{name} must be {op} {field.min:g}", param=name)
+        if value >= upper if field.max_exclusive else value > upper:
+            op = "<" if field.max_exclusive else "<="
+            raise InvalidRequestError(f"{name} must be {op} {upper:g}", param=name)
+        return float(value) if field.kind == "number" else value
+    if not isinstance(value, str):
+        raise InvalidRequestError(f"{name} must be a string", param=name)
+    if field.kind == "datetime":
+        return parse_datetime(name, value)
+    if field.choices is not None and value not in field.choices:
+        raise InvalidRequestError(f"{name} must be one of {', '.join(field.choices)}", param=name)
+    if len(value) > field.max_len:
+        raise InvalidRequestError(f"{name} is longer than {field.max_len} characters", param=name)
+    pattern = field.pattern or _PRINTABLE
+    if not pattern.fullmatch(value):
+        raise InvalidRequestError(f"{name} has an invalid format", param=name)
+    return value
+
+
+def _upper(kind: str) -> float:
+    return MAX_INT if kind == "int" else MAX_NUMBER
+
+
+def parse_datetime(name: str, value: str) -> datetime:
+    """An ISO 8601 timestamp with a time zone (a trailing Z is accepted), as aware UTC."""
+    try:
+        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise InvalidRequestError(f"{name} must be an ISO 8601 timestamp", param=name) from None
+    if parsed.tzinfo is None:
+        raise InvalidRequestError(f"{name} must include a time zone", param=name)
+    return parsed.astimezone(UTC)
+
+
+def parse_fields(
+    body: dict[str, Any], spec: dict[str, Field], *, required: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """The checked values of `body`; unknown or missing required fields are 400s."""
+    for name in body:
+        if name not in spec:
+            raise InvalidRequestError(f"Unknown field {name!r}", param=name)
+    for name in required:
+        if name not in body:
+            raise InvalidRequestError(f"Missing required field {name!r}", param=name)
+    return {name: _check(name, value, spec[name]) for name, value in body.items()}
+
+
+def query_int(request: Request, name: str, *, default: int, min: int, max: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    if not raw.isdigit() or not min <= int(raw) <= max:
+        raise InvalidRequestError(f"{name} must be an integer in [{min}, {max}]", param=name)
+    return int(raw)
+
+
+LIMIT = Field("int", nullable=True, min=1)
+
+TIER_FIELDS: dict[str, Field] = {
+    "name": Field("str", pattern=TIER_NAME, max_len=32),
+    "rank": Field("int", min=0, max=1000),
+    "ttft_slo_ms": Field("number", nullable=True, min=0, min_exclusive=True),
+    "tpot_slo_ms": Field("number", nullable=True, min=0, min_exclusive=True),
+    "max_queue_ms": Field("number", nullable=True, min=0, min_exclusive=True),
+    "completion_window_s": Field("int", nullable=True, min=1),
+    "min_share": Field("number", min=0, max=1, max_exclusive=True),
+    "preemptible": Field("bool"),
+    "rpm": LIMIT,
+    "tpm": LIMIT,
+    "max_concurrency": LIMIT,
+    "price_input_per_mtok": Field("number", min=0),
+    "price_output_per_mtok": Field("number", min=0),
+}
+
+TENANT_FIELDS: dict[str, Field] = {
+    "name": Field("str", max_len=100),
+    "tier": Field("str", pattern=TIER_NAME, max_len=32),
+    "weight": Field("number", min=0, min_exclusive=True, max=1000),
+    "rpm": LIMIT,
+    "tpm": LIMIT,
+    "max_concurrency": LIMIT,
+    "status": Field("str", choices=("active", "suspended")),
+}
+
+KEY_FIELDS: dict[str, Field] = {
+    "name": Field("str", max_len=100),
+    "expires_at": Field("datetime", nullable=True),
+    "expires_in_s": Field("int", min=1),
+}

@@ -1,0 +1,129 @@
+"""Per-request usage records, buffered in memory and written to SQL in batches.
+
+`record()` only appends to a buffer, so the request path never waits on the database;
+a background task flushes every `flush_interval_s` (sooner once `max_batch` records are
+waiting). If the database is unreachable the records stay buffered and are retried; past
+`max_buffered` the oldest are dropped (and counted) rather than growing without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from dataclasses import asdict, dataclass
+from datetime import datetime
+
+from sqlalchemy import insert
+from sqlalchemy.ext.asyncio import async_sessionmaker
+
+from gateway.db.models import UsageRow
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class UsageRecord:
+    """One request's outcome and cost drivers.
+
+    outcome is "ok", "error", "aborted" (client went away) or "rejected:<code>" (refused
+    at admission, e.g. "rejected:rate_limit_exceeded"). created_at is aware UTC.
+    """
+
+    request_id: str
+    tenant_id: str
+    tier: str
+    model: str
+    prompt_tokens: int
+    completion_tokens: int
+    queue_wait_ms: float | None
+    ttft_ms: float | None
+    e2e_ms: float
+    outcome: str
+    created_at: datetime
+
+
+class UsageWriter:
+    """Buffers UsageRecords and writes them in batches off the request path."""
+
+    def __init__(
+        self,
+        sessionmaker: async_sessionmaker,
+        *,
+        flush_interval_s: float = 0.5,
+        max_batch: int = 500,
+        max_buffered: int = 100_000,
+    ) -> None:
+        self._sessionmaker = sessionmaker
+        self._flush_interval_s = flush_interval_s
+        self._max_batch = max_batch
+        self._buffer: deque[UsageRecord] = deque(maxlen=max_buffered)
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._flush_lock = asyncio.Lock()
+        self.num_written = 0
+        self.num_dropped = 0
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._buffer)
+
+    def record(self, rec: UsageRecord) -> None:
+        """Queue one record. Never blocks and never raises."""
+        try:
+            if len(self._buffer) == self._buffer.maxlen:
+                self.num_dropped += 1  # the deque drops the oldest
+            self._buffer.append(rec)
+            if len(self._buffer) >= self._max_batch:
+                self._wake.set()
+        except Exception:  # accounting must never fail a request
+            log.exception("usage record dropped")
+
+    async def start(self) -> None:
+        """Start the background flusher (idempotent)."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="tiergate-usage-writer")
+
+    async def aclose(self) -> None:
+        """Stop the flusher and write everything still buffered."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        while self._buffer:
+            if not await self.flush():
+                log.error("usage writer closed with %d records unwritten", len(self._buffer))
+                break
+
+    async def flush(self) -> bool:
+        """Write up to one batch now; False if the database refused it (kept for retry)."""
+        async with self._flush_lock:
+            batch = [self._buffer.popleft() for _ in range(min(self._max_batch, len(self._buffer)))]
+            if not batch:
+                return True
+            try:
+                async with self._sessionmaker() as session, session.begin():
+                    await session.execute(insert(UsageRow), [asdict(rec) for rec in batch])
+            except Exception:
+                log.exception("writing %d usage records failed; will retry", len(batch))
+                # Back at the front, in order; the oldest fall off if the buffer is full.
+                space = (self._buffer.maxlen or 0) - len(self._buffer)
+                num_lost = max(0, len(batch) - space)
+                self.num_dropped += num_lost
+                self._buffer.extendleft(reversed(batch[num_lost:]))
+                return False
+            self.num_written += len(batch)
+            return True
+
+    async def _run(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self._flush_interval_s)
+            self._wake.clear()
+            while self._buffer:
+                if not await self.flush():
+                    break  # wait an interval before retrying a failing database
+                if len(self._buffer) < self._max_batch:
+                    break

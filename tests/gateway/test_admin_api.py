@@ -1,0 +1,331 @@
+"""Admin API against real SQLite and PostgreSQL, through the ASGI app of its routes."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.routing import Mount
+
+from gateway.admin import AdminDeps, admin_routes
+from gateway.auth import KeyAuthenticator
+from gateway.errors import AuthenticationError, PermissionDeniedError
+from gateway.tiers import TierCatalog
+
+ADMIN_TOKEN = "admin-secret-token"
+
+
+@dataclass
+class Admin:
+    client: httpx.AsyncClient
+    auth: KeyAuthenticator
+    tiers: TierCatalog
+    transport: httpx.ASGITransport
+
+    async def create_tenant(self, name: str = "acme", tier: str = "interactive", **extra):
+        response = await self.client.post(
+            "/admin/v1/tenants", json={"name": name, "tier": tier, **extra}
+        )
+        assert response.status_code == 201, response.text
+        return response.json()
+
+    async def create_key(self, tenant_id: str, **body) -> dict:
+        response = await self.client.post(f"/admin/v1/tenants/{tenant_id}/keys", json=body)
+        assert response.status_code == 201, response.text
+        return response.json()
+
+
+def _app(deps: AdminDeps) -> Starlette:
+    return Starlette(routes=[Mount("/admin/v1", routes=admin_routes(deps))])
+
+
+@pytest.fixture
+async def admin(db_sessionmaker) -> AsyncIterator[Admin]:
+    # Long TTLs: anything seen fresh below is due to invalidation, not expiry.
+    tiers = TierCatalog(db_sessionmaker, ttl_s=3600)
+    auth = KeyAuthenticator(db_sessionmaker, tiers, cache_ttl_s=3600)
+    deps = AdminDeps(db_sessionmaker, ADMIN_TOKEN, tiers, auth)
+    transport = httpx.ASGITransport(app=_app(deps))
+    async with httpx.AsyncClient(
+        transport=transport,
+        base_url="http://admin.test",
+        headers={"authorization": f"Bearer {ADMIN_TOKEN}"},
+    ) as client:
+        yield Admin(client, auth, tiers, transport)
+
+
+def _assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    if param is not None:
+        assert error["param"] == param
+    return error
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"authorization": "Bearer wrong"},
+        {"authorization": f"Basic {ADMIN_TOKEN}"},
+        {"authorization": ADMIN_TOKEN},
+        {"authorization": "Bearer"},
+        {"authorization": "Bearer é-not-ascii".encode("latin-1")},
+    ],
+)
+async def test_admin_token_required(admin: Admin, headers: dict) -> None:
+    async with httpx.AsyncClient(
+        transport=admin.transport, base_url="http://admin.test", headers=headers
+    ) as client:
+        for method, path in [("GET", "/tiers"), ("POST", "/tenants"), ("DELETE", "/keys/x")]:
+            response = await client.request(method, f"/admin/v1{path}", json={})
+            error = _assert_error(response, 401)
+            assert error["type"] == "authentication_error"
+
+
+async def test_empty_admin_token_disables_admin_api(db_sessionmaker) -> None:
+    tiers = TierCatalog(db_sessionmaker)
+    deps = AdminDeps(db_sessionmaker, "", tiers, KeyAuthenticator(db_sessionmaker, tiers))
+    transport = httpx.ASGITransport(app=_app(deps))
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        for auth in ("Bearer ", "Bearer", ""):
+            response = await client.get("/admin/v1/tiers", headers={"authorization": auth})
+            _assert_error(response, 401)
+
+
+async def test_tier_lifecycle(admin: Admin) -> None:
+    listed = (await admin.client.get("/admin/v1/tiers")).json()
+    assert [t["name"] for t in listed["data"]] == ["priority", "interactive", "batch"]
+
+    body = {"name": "gold", "rank": 0, "ttft_slo_ms": 250, "rpm": 1000, "min_share": 0.2}
+    created = await admin.client.post("/admin/v1/tiers", json=body)
+    assert created.status_code == 201, created.text
+    gold = created.json()
+    assert gold["ttft_slo_ms"] == 250.0
+    assert gold["preemptible"] is False
+    assert gold["tpm"] is None
+    assert (await admin.tiers.get("gold")).rpm == 1000  # catalog invalidated
+
+    duplicate = await admin.client.post("/admin/v1/tiers", json=body)
+    _assert_error(duplicate, 409)
+
+    patched = await admin.client.patch("/admin/v1/tiers/gold", json={"rpm": None, "rank": 3})
+    assert patched.status_code == 200, patched.text
+    assert patched.json()["rpm"] is None
+    assert (await admin.tiers.get("gold")).rank == 3
+
+    _assert_error(await admin.client.patch("/admin/v1/tiers/gold", json={"name": "x"}), 400)
+    assert (await admin.client.get("/admin/v1/tiers/gold")).json()["rank"] == 3
+
+    deleted = await admin.client.delete("/admin/v1/tiers/gold")
+    assert deleted.status_code == 200
+    _assert_error(await admin.client.get("/admin/v1/tiers/gold"), 404)
+    _assert_error(await admin.client.delete("/admin/v1/tiers/gold"), 404)
+    assert [t.name for t in await admin.tiers.all()] == ["priority", "interactive", "batch"]
+
+
+async def test_deleting_a_tier_in_use_is_409(admin: Admin) -> None:
+    tenant = await admin.create_tenant(tier="batch")
+    error = _assert_error(await admin.client.delete("/admin/v1/tiers/batch"), 409)
+    assert error["code"] == "tier_in_use"
+    assert (await admin.client.get("/admin/v1/tiers/batch")).status_code == 200
+    await admin.client.delete(f"/admin/v1/tenants/{tenant['id']}")
+    assert (await admin.client.delete("/admin/v1/tiers/batch")).status_code == 200
+
+
+async def test_min_share_over_all_tiers_may_not_exceed_one(admin: Admin) -> None:
+    # Seeded tiers hold 0.15 between them.
+    response = await admin.client.post(
+        "/admin/v1/tiers", json={"name": "greedy", "rank": 5, "min_share": 0.9}
+    )
+    _assert_error(response, 400, param="min_share")
+    patch = await admin.client.patch("/admin/v1/tiers/batch", json={"min_share": 0.9})
+    assert patch.status_code == 200, patch.text
+
+
+@pytest.mark.parametrize(
+    ("path", "content", "param"),
+    [
+        ("/tiers", b"{not json", None),
+        ("/tiers", b"[1, 2]", None),
+        ("/tiers", b'"a string"', None),
+        ("/tiers", b'{"name": "\xff\xfe", "rank": 1}', None),
+        ("/tiers", b'{"name": "x", "rank": NaN}', None),
+        ("/tiers", b'{"name": "x", "rank": 1, "ttft_slo_ms": Infinity}', None),
+        ("/tiers", b'{"rank": 1}', "name"),
+        ("/tiers", b'{"name": "x"}', "rank"),
+        ("/tiers", b'{"name": "x", "rank": 1, "colour": "red"}', "colour"),
+        ("/tiers", b'{"name": "x", "rank": "1"}', "rank"),
+        ("/tiers", b'{"name": "x", "rank": true}', "rank"),
+        ("/tiers", b'{"name": "x", "rank": 1.5}', "rank"),
+        ("/tiers", b'{"name": "x", "rank": -1}', "rank"),
+        ("/tiers", b'{"name": "x", "rank": 1, "rpm": 99999999999999}', "rpm"),
+        ("/tiers", b'{"name": "x", "rank": 1, "rpm": 0}', "rpm"),
+        ("/tiers", b'{"name": "x", "rank": 1, "ttft_slo_ms": 0}', "ttft_slo_ms"),
+        ("/tiers", b'{"name": "x", "rank": 1, "min_share": 1}', "min_share"),
+        ("/tiers", b'{"name": "x", "rank": 1, "preemptible": 1}', "preemptible"),
+        ("/tiers", b'{"name": "x", "rank": 1, "price_input_per_mtok": -1}', None),
+        ("/tiers", b'{"name": "Has Space", "rank": 1}', "name"),
+        ("/tiers", b'{"name": "' + b"x" * 40 + b'", "rank": 1}', "name"),
+        ("/tiers", b'{"name": "x", "rank": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None),
+        ("/tenants", b'{"name": "a\\u0000b", "tier": "batch"}', "name"),
+        ("/tenants", b'{"name": "' + b"n" * 101 + b'", "tier": "batch"}', "name"),
+        ("/tenants", b'{"name": "", "tier": "batch"}', "name"),
+        ("/tenants", b'{"name": "a", "tier": "nope"}', "tier"),
+        ("/tenants", b'{"name": "a", "tier": "batch", "weight": 0}', "weight"),
+        ("/tenants", b'{"name": "a", "tier": "batch", "status": "gone"}', "status"),
+        ("/tenants", b'{"name": "a", "tier": "batch", "tpm": -5}', "tpm"),
+        ("/tenants", b'{"name": 7, "tier": "batch"}', "name"),
+    ],
+)
+async def test_bad_bodies_are_400(admin: Admin, path: str, content: bytes, param) -> None:
+    response = await admin.client.post(
+        f"/admin/v1{path}", content=content, headers={"content-type": "application/json"}
+    )
+    error = _assert_error(response, 400 if len(content) < 64 * 1024 else 413, param=param)
+    assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("methods", "path"),
+    [
+        ("GET PATCH DELETE", "/tiers/%00"),
+        ("GET PATCH DELETE", "/tiers/NOPE"),
+        ("GET PATCH DELETE", "/tenants/ten_000000000000000000000000"),
+        ("GET PATCH DELETE", "/tenants/%00bad"),
+        ("GET PATCH DELETE", "/tenants/" + "x" * 500),
+        ("GET POST", "/tenants/ten_000000000000000000000000/keys"),
+        ("DELETE", "/keys/key_000000000000000000000000"),
+        ("DELETE", "/keys/%00"),
+    ],
+)
+async def test_unknown_objects_are_404(admin: Admin, methods: str, path: str) -> None:
+    for method in methods.split():
+        body = {} if method in ("PATCH", "POST") else None
+        _assert_error(await admin.client.request(method, f"/admin/v1{path}", json=body), 404)
+
+
+async def test_tenant_lifecycle(admin: Admin) -> None:
+    tenant = await admin.create_tenant("acme", "interactive", rpm=5)
+    assert tenant["id"].startswith("ten_")
+    assert (tenant["weight"], tenant["status"], tenant["rpm"]) == (1.0, "active", 5)
+    _assert_error(
+        await admin.client.post("/admin/v1/tenants", json={"name": "acme", "tier": "batch"}),
+        409,
+    )
+    fetched = (await admin.client.get(f"/admin/v1/tenants/{tenant['id']}")).json()
+    assert fetched == tenant
+
+    patched = await admin.client.patch(
+        f"/admin/v1/tenants/{tenant['id']}", json={"tier": "batch", "weight": 2.5, "rpm": None}
+    )
+    assert patched.status_code == 200, patched.text
+    assert (patched.json()["tier"], patched.json()["weight"], patched.json()["rpm"]) == (
+        "batch",
+        2.5,
+        None,
+    )
+    _assert_error(
+        await admin.client.patch(f"/admin/v1/tenants/{tenant['id']}", json={"tier": "nope"}),
+        400,
+        param="tier",
+    )
+    other = await admin.create_tenant("other", "batch")
+    _assert_error(
+        await admin.client.patch(f"/admin/v1/tenants/{other['id']}", json={"name": "acme"}), 409
+    )
+
+    key = await admin.create_key(tenant["id"])
+    deleted = await admin.client.delete(f"/admin/v1/tenants/{tenant['id']}")
+    assert deleted.status_code == 200
+    _assert_error(await admin.client.get(f"/admin/v1/tenants/{tenant['id']}"), 404)
+    _assert_error(await admin.client.delete(f"/admin/v1/keys/{key['id']}"), 404)  # cascaded
+    with pytest.raises(AuthenticationError):
+        await admin.auth.authenticate(f"Bearer {key['secret']}")
+
+
+async def test_tenant_list_pages(admin: Admin) -> None:
+    ids = sorted([(await admin.create_tenant(f"t{i}", "batch"))["id"] for i in range(5)])
+    first = (await admin.client.get("/admin/v1/tenants", params={"limit": 2})).json()
+    assert [t["id"] for t in first["data"]] == ids[:2]
+    assert first["has_more"] is True
+    rest = (
+        await admin.client.get("/admin/v1/tenants", params={"limit": 10, "after": first["last_id"]})
+    ).json()
+    assert [t["id"] for t in rest["data"]] == ids[2:]
+    assert rest["has_more"] is False
+    for params in ({"limit": 0}, {"limit": "x"}, {"limit": 5000}, {"after": "zzz"}):
+        _assert_error(await admin.client.get("/admin/v1/tenants", params=params), 400)
+
+
+async def test_keys_secret_once_and_revocation_is_immediate(admin: Admin) -> None:
+    tenant = await admin.create_tenant("acme", "priority")
+    key = await admin.create_key(tenant["id"], name="ci")
+    assert key["secret"].startswith("tg-")
+    assert key["prefix"] == key["secret"][: len(key["prefix"])]
+    principal = await admin.auth.authenticate(f"Bearer {key['secret']}")
+    assert (principal.tenant_id, principal.key_id, principal.tier.name) == (
+        tenant["id"],
+        key["id"],
+        "priority",
+    )
+
+    listed = (await admin.client.get(f"/admin/v1/tenants/{tenant['id']}/keys")).json()["data"]
+    assert [k["id"] for k in listed] == [key["id"]]
+    assert "secret" not in listed[0]
+    assert key["secret"] not in str(listed)
+    assert "digest" not in listed[0]
+
+    revoked = await admin.client.delete(f"/admin/v1/keys/{key['id']}")
+    assert revoked.status_code == 200
+    assert revoked.json()["revoked_at"] is not None
+    # The authenticator cached the key for an hour; revocation still applies at once.
+    with pytest.raises(AuthenticationError, match="revoked"):
+        await admin.auth.authenticate(f"Bearer {key['secret']}")
+    again = await admin.client.delete(f"/admin/v1/keys/{key['id']}")
+    assert again.json()["revoked_at"] == revoked.json()["revoked_at"]
+
+
+async def test_tenant_changes_apply_at_once(admin: Admin) -> None:
+    tenant = await admin.create_tenant("acme", "interactive")
+    key = await admin.create_key(tenant["id"])
+    header = f"Bearer {key['secret']}"
+    assert (await admin.auth.authenticate(header)).rpm == 300  # the tier's default
+
+    await admin.client.patch(f"/admin/v1/tenants/{tenant['id']}", json={"rpm": 7, "weight": 3})
+    principal = await admin.auth.authenticate(header)
+    assert (principal.rpm, principal.weight) == (7, 3.0)
+
+    await admin.client.patch(f"/admin/v1/tenants/{tenant['id']}", json={"status": "suspended"})
+    with pytest.raises(PermissionDeniedError):
+        await admin.auth.authenticate(header)
+    await admin.client.patch(f"/admin/v1/tenants/{tenant['id']}", json={"status": "active"})
+    await admin.client.patch("/admin/v1/tiers/interactive", json={"tpm": 11})
+    assert (await admin.auth.authenticate(header)).tpm == 11
+
+
+async def test_key_expiry_fields(admin: Admin) -> None:
+    tenant = await admin.create_tenant()
+    key = await admin.create_key(tenant["id"], expires_at="2999-01-01T00:00:00Z")
+    assert key["expires_at"].startswith("2999-01-01T00:00:00")
+    past = await admin.create_key(tenant["id"], expires_at="2001-01-01T00:00:00+02:00")
+    with pytest.raises(AuthenticationError, match="expired"):
+        await admin.auth.authenticate(f"Bearer {past['secret']}")
+    assert (await admin.auth.authenticate(f"Bearer {key['secret']}")).tenant_id == tenant["id"]
+    in_s = await admin.create_key(tenant["id"], expires_in_s=60)
+    assert in_s["expires_at"] is not None
+    assert (await admin.client.post(f"/admin/v1/tenants/{tenant['id']}/keys")).status_code == 201
+    for body in (
+        {"expires_at": "tomorrow"},
+        {"expires_at": "2999-01-01T00:00:00"},  # no time zone
+        {"expires_in_s": 0},
+        {"expires_at": None, "expires_in_s": 5},
+        {"secret": "tg-mine"},
+    ):
+        response = await admin.client.post(f"/admin/v1/tenants/{tenant['id']}/keys", json=body)
+        _assert_error(response, 400)
