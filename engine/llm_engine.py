@@ -165,10 +165,24 @@ class LLMEngine:
         detokenizer = self.tokenizer.detokenizer(request.prompt_token_ids, params.stop)
         self._tracked[request_id] = _Tracked(request, detokenizer)
 
-    def abort_request(self, request_id: str) -> bool:
-        """Drop a request wherever it is and free its blocks; False if unknown."""
-        self._tracked.pop(request_id, None)
-        return self.scheduler.abort(request_id) is not None
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Drop a request wherever it is and free its blocks. Returns its final output
+        (finish_reason "abort"), or None if the id is unknown or already finished."""
+        tracked = self._tracked.pop(request_id, None)
+        if self.scheduler.abort(request_id) is None or tracked is None:
+            return None
+        request = tracked.request
+        return RequestOutput(
+            request_id=request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=list(request.output_token_ids),
+            text=tracked.text,
+            new_token_ids=[],
+            text_delta="",
+            finished=True,
+            finish_reason=FinishReason.ABORT,
+            num_cached_tokens=request.num_cached_tokens,
+        )
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
