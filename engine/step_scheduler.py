@@ -1,0 +1,503 @@
+"""Which tokens of which requests run in the next engine step (continuous batching).
+
+Each `schedule()`:
+
+1. decodes: one token for every running request that has caught up, best rank first;
+2. chunked prefill: the next chunk of every running request still prefilling, within the
+   step's token budget and the per-request chunk cap;
+3. admission: waiting requests in order (rank, preempted victims before newcomers,
+   arrival) while the budget, `max_num_seqs` and the free-block watermark allow.
+
+Preemption is by recompute: the victim's blocks are freed (its full ones stay in the
+prefix cache, so resuming is often cheap), it goes back to the waiting queue ahead of
+newcomers of its rank and later recomputes its KV. It happens when a better-rank waiting
+request does not fit and running preemptible work of a worse rank can make room (the
+victims cheapest to recompute go first), and under KV pressure, when a running request
+cannot get a block (worst rank first, whatever its tier).
+
+With a fitted cost model, the prefill part of the budget shrinks so that the predicted
+step time keeps the tightest TPOT SLO of the requests decoding; decodes are never cut.
+
+Pure Python; the engine runs the plan and reports back through `finish`/`abort`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from engine.block_manager import BlockManager
+from engine.cost_model import StepCostModel
+from engine.errors import ContextLengthExceededError, InvalidRequestError
+from engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one engine's step scheduler."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # per-step token budget
+    max_prefill_chunk_tokens: int = 512  # cap of one request's prefill chunk per step
+    enable_chunked_prefill: bool = True
+    # Free blocks kept back when admitting new work, so that running requests can grow a
+    # while before anyone must be preempted.
+    watermark_blocks: int = 2
+    max_model_len: int = 2048
+    # Floor of the prefill budget when the cost model shrinks it: new work always moves.
+    min_prefill_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_prefill_chunk_tokens",
+            "max_model_len",
+            "min_prefill_tokens",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.watermark_blocks < 0:
+            raise ValueError("watermark_blocks must be >= 0")
+        # Every running request must be able to decode in the same step.
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
+        # Without chunking a whole prompt (or a recompute) must fit one step.
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "max_num_batched_tokens must be >= max_model_len without chunked prefill"
+            )
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Run tokens `request.all_token_ids[start:start + num_tokens]` this step."""
+
+    request: Request
+    start: int  # request.num_computed_tokens before this step
+    num_tokens: int
+    # request.num_tokens when scheduled: the engine appends a token after the step, and
+    # `produces_token` must keep its answer.
+    request_num_tokens: int = field(default=-1, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.request_num_tokens < 0:
+            object.__setattr__(self, "request_num_tokens", self.request.num_tokens)
+
+    @property
+    def produces_token(self) -> bool:
+        """The chunk ends at the request's last token, so its logits give the next one."""
+        return self.start + self.num_tokens == self.request_num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_tokens == 1 and self.produces_token
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    chunks: list[ScheduledChunk]  # decodes first, then prefill chunks
+    preempted: list[Request]  # preempted during this schedule() call
+    num_batched_tokens: int
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """Counters since the scheduler was built, for the engine to export."""
+
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_preempted_tokens: int = 0  # computed tokens whose KV preemptions dropped
+    num_recomputed_tokens: int = 0  # of those, tokens computed again (not cache hits)
+    num_rejected: int = 0  # requests refused by add()
+
+
+@dataclass
+class _Step:
+    chunks: dict[str, ScheduledChunk] = field(default_factory=dict)
+    preempted: list[Request] = field(default_factory=list)
+    num_tokens: int = 0
+    prefill_budget: int = 0  # tokens left for prefill chunks (continued and new)
+    under_kv_pressure: bool = False
+
+
+class StepScheduler:
+    """Continuous-batching policy over a `BlockManager`; see the module docstring.
+
+    Contract with the engine: call `schedule()` only after the previous plan has run;
+    after running it, append the sampled token of every chunk with `produces_token`,
+    then `finish()` the requests that stopped.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        *,
+        cost_model: StepCostModel | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.cost_model = cost_model
+        self._clock = clock
+        self._requests: dict[str, Request] = {}
+        self._order: dict[str, int] = {}  # arrival order, the last tie-breaker
+        self._next_order = 0
+        self._waiting: list[Request] = []  # sorted by _waiting_key
+        self._running: list[Request] = []  # sorted by _running_key
+        self._lost_tokens: dict[str, int] = {}  # computed tokens dropped by a preemption
+        self._stats = SchedulerStats()
+
+    # ----------------------------------------------------------------- queries
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def waiting(self) -> Sequence[Request]:
+        """Waiting requests in the order they will be admitted."""
+        return tuple(self._waiting)
+
+    @property
+    def running(self) -> Sequence[Request]:
+        """Running requests, best rank first."""
+        return tuple(self._running)
+
+    @property
+    def stats(self) -> SchedulerStats:
+        return self._stats
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def get(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    def can_accept(self, rank: int | None = None) -> bool:
+        """Whether the engine has room for one more request (a dispatcher pulls only then).
+
+        Room means no newcomer is already waiting, a sequence slot is free and free
+        blocks exceed the watermark. With `rank`, a request of that rank is also welcome
+        when it would displace running preemptible work of a worse rank and nothing of
+        its rank or better is waiting.
+        """
+        newcomers = [r for r in self._waiting if r.status is RequestStatus.WAITING]
+        has_room = (
+            len(self._running) < self.config.max_num_seqs
+            and self.block_manager.num_free_blocks > self.config.watermark_blocks
+        )
+        if not newcomers and has_room:
+            return True
+        if rank is None or any(r.priority.rank <= rank for r in self._waiting):
+            return False
+        return any(r.priority.preemptible and r.priority.rank > rank for r in self._running)
+
+    # ----------------------------------------------------------------- mutators
+
+    def add(self, request: Request) -> None:
+        """Queue a request, or raise a typed error (and change nothing) if it can never run."""
+        try:
+            self._validate(request)
+        except InvalidRequestError:
+            self._stats = replace(self._stats, num_rejected=self._stats.num_rejected + 1)
+            raise
+        request.status = RequestStatus.WAITING
+        self._requests[request.request_id] = request
+        self._order[request.request_id] = self._next_order
+        self._next_order += 1
+        bisect.insort(self._waiting, request, key=self._waiting_key)
+
+    def _validate(self, request: Request) -> None:
+        if request.request_id in self._requests:
+            raise InvalidRequestError(
+                f"request id {request.request_id!r} is already in use", param="request_id"
+            )
+        if request.status is not RequestStatus.WAITING or request.block_ids:
+            raise InvalidRequestError("only a new request can be added", param="request_id")
+        if not request.prompt_token_ids:
+            raise InvalidRequestError("the prompt must hold at least one token", param="prompt")
+        if any(
+            isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in request.all_token_ids
+        ):
+            raise InvalidRequestError("token ids must be integers >= 0", param="prompt")
+        max_tokens = request.params.max_tokens
+        if request.num_output_tokens >= max_tokens:
+            raise InvalidRequestError(
+                "the request already holds max_tokens output tokens", param="max_tokens"
+            )
+        num_total = request.num_prompt_tokens + max_tokens
+        if num_total > self.config.max_model_len:
+            raise ContextLengthExceededError(
+                num_prompt_tokens=request.num_prompt_tokens,
+                max_tokens=max_tokens,
+                max_model_len=self.config.max_model_len,
+            )
+        # The last sampled token is never fed back, so its KV is never needed.
+        bm = self.block_manager
+        if bm.num_blocks_for(num_total - 1) > bm.num_blocks:
+            raise InvalidRequestError(
+                f"the request needs {num_total} tokens of KV cache, more than the "
+                f"{bm.num_blocks * bm.block_size} this engine holds",
+                param="max_tokens",
+            )
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """Retire a request; the KV it computed stays in the prefix cache."""
+        if self._requests.get(request.request_id) is not request:
+            return
+        # The engine calls this after the step ran, so the computed KV is real.
+        self.block_manager.cache_full_blocks(request)
+        self._retire(request, reason)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Retire a request wherever it is; returns it, or None if it is unknown."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        # Not published: an abort may land between schedule() and the step that would
+        # have written this KV.
+        self._retire(request, FinishReason.ABORT)
+        return request
+
+    def _retire(self, request: Request, reason: FinishReason) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self._running.remove(request)
+        else:
+            self._waiting.remove(request)
+        self.block_manager.free(request)
+        del self._requests[request.request_id]
+        del self._order[request.request_id]
+        self._lost_tokens.pop(request.request_id, None)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+
+    # ----------------------------------------------------------------- schedule
+
+    def schedule(self) -> StepPlan:
+        """Plan the next step: allocate blocks, advance `num_computed_tokens`, preempt."""
+        bm = self.block_manager
+        # The previous plan has run: its KV is written and may be shared from now on.
+        for request in self._running:
+            bm.cache_full_blocks(request)
+        step = _Step()
+        self._schedule_decodes(step)
+        step.prefill_budget = self._prefill_budget(step)
+        self._schedule_prefills(step)
+        # A step that had to preempt for blocks admits nothing: the victims would only
+        # come straight back and thrash.
+        if not step.under_kv_pressure:
+            self._admit(step)
+        self._stats = replace(self._stats, num_steps=self._stats.num_steps + 1)
+        return StepPlan(
+            chunks=list(step.chunks.values()),
+            preempted=step.preempted,
+            num_batched_tokens=step.num_tokens,
+        )
+
+    def _schedule_decodes(self, step: _Step) -> None:
+        for request in list(self._running):
+            if request.status is not RequestStatus.RUNNING or request.is_prefilling:
+                continue
+            if request.num_computed_tokens >= request.num_tokens:
+                continue  # its sampled token was not appended; nothing to run
+            while not self.block_manager.allocate_slots(request, 1):
+                if self._preempt_for_kv(request, step) is request:
+                    break
+            else:
+                self._add_chunk(step, request, 1)
+
+    def _schedule_prefills(self, step: _Step) -> None:
+        for request in list(self._running):
+            if step.prefill_budget <= 0:
+                return
+            if (
+                request.status is not RequestStatus.RUNNING
+                or request.request_id in step.chunks
+                or not request.is_prefilling
+            ):
+                continue
+            num_tokens = min(request.num_tokens - request.num_computed_tokens, step.prefill_budget)
+            if self.config.enable_chunked_prefill:
+                num_tokens = min(num_tokens, self.config.max_prefill_chunk_tokens)
+            while (fit := self.block_manager.max_new_tokens(request)) == 0:
+                if self._preempt_for_kv(request, step) is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            num_tokens = min(num_tokens, fit)
+            if not self.config.enable_chunked_prefill and num_tokens < (
+                request.num_tokens - request.num_computed_tokens
+            ):
+                continue
+            if not self.block_manager.allocate_slots(request, num_tokens):
+                raise RuntimeError("block manager refused slots it reported free")
+            self._add_chunk(step, request, num_tokens)
+            step.prefill_budget -= num_tokens
+
+    def _prefill_budget(self, step: _Step) -> int:
+        budget = self.config.max_num_batched_tokens - step.num_tokens
+        model = self.cost_model
+        if model is None or not model.is_ready:
+            return budget
+        slos_ms = [
+            r.priority.tpot_slo_ms
+            for r in self._running
+            if r.priority.tpot_slo_ms is not None and r.num_output_tokens > 0
+        ]
+        if not slos_ms:
+            return budget
+        num_seqs = len(step.chunks) + 1
+        max_tokens = model.max_batched_tokens(min(slos_ms) / 1000.0, num_seqs)
+        if max_tokens is None:
+            return budget
+        floor = min(budget, self.config.min_prefill_tokens)
+        return max(floor, min(budget, max_tokens - step.num_tokens))
+
+    def _admit(self, step: _Step) -> None:
+        for request in list(self._waiting):
+            if step.prefill_budget <= 0:
+                return
+            # Victims of this step wait for the next one, and so does everyone behind them.
+            if request in step.preempted or not self._try_admit(request, step):
+                return
+
+    def _try_admit(self, request: Request, step: _Step) -> bool:
+        bm = self.block_manager
+        config = self.config
+        hits = bm.find_cached_blocks(request)
+        num_remaining = request.num_tokens - len(hits) * bm.block_size
+        budget = step.prefill_budget
+        if config.enable_chunked_prefill:
+            num_tokens = min(num_remaining, config.max_prefill_chunk_tokens, budget)
+        elif num_remaining <= budget:
+            num_tokens = num_remaining
+        else:
+            return False
+        if num_tokens <= 0:
+            return False
+        # Admission wants room for the whole first chunk above the watermark: squeezing a
+        # smaller one into the last free blocks would only push running work out later.
+        if not self._fits(request, num_tokens, hits, ()):
+            victims = self._choose_victims(request, num_tokens, hits, step)
+            if victims is None:
+                return False
+            for victim in victims:
+                self._preempt(victim, step)
+        if not bm.allocate_slots(request, num_tokens, hits, reserve_blocks=self._reserve(())):
+            return False
+        lost = self._lost_tokens.pop(request.request_id, 0)
+        if lost:
+            recomputed = max(0, lost - request.num_computed_tokens)
+            self._stats = replace(
+                self._stats, num_recomputed_tokens=self._stats.num_recomputed_tokens + recomputed
+            )
+        self._waiting.remove(request)
+        request.status = RequestStatus.RUNNING
+        if request.first_scheduled_s is None:
+            request.first_scheduled_s = self._clock()
+        bisect.insort(self._running, request, key=self._running_key)
+        self._add_chunk(step, request, num_tokens)
+        step.prefill_budget -= num_tokens
+        return True
+
+    def _reserve(self, released: Sequence[Request]) -> int:
+        # An idle engine ignores the watermark, or a request needing every block would
+        # wait forever.
+        return self.config.watermark_blocks if len(self._running) > len(released) else 0
+
+    def _fits(
+        self, request: Request, num_tokens: int, hits: list[int], released: Sequence[Request]
+    ) -> bool:
+        if len(self._running) - len(released) >= self.config.max_num_seqs:
+            return False
+        bm = self.block_manager
+        needed = bm.num_blocks_to_allocate(request, num_tokens, hits, released=released)
+        return needed <= bm.num_free_blocks_after_release(released) - self._reserve(released)
+
+    def _choose_victims(
+        self, request: Request, num_tokens: int, hits: list[int], step: _Step
+    ) -> list[Request] | None:
+        """Running preemptible requests of a worse rank whose preemption makes room,
+        cheapest to recompute first; None when even all of them would not."""
+
+        def recompute_cost(r: Request) -> tuple[int, int, int]:
+            chunk = step.chunks.get(r.request_id)
+            computed = chunk.start if chunk is not None else r.num_computed_tokens
+            return (computed, -r.priority.rank, -self._order[r.request_id])
+
+        rank = request.priority.rank
+        candidates = [r for r in self._running if r.priority.preemptible and r.priority.rank > rank]
+        candidates.sort(key=recompute_cost)
+        victims: list[Request] = []
+        for candidate in candidates:
+            victims.append(candidate)
+            if self._fits(request, num_tokens, hits, victims):
+                return victims
+        return None
+
+    def _preempt_for_kv(self, request: Request, step: _Step) -> Request:
+        """Free blocks for `request` by preempting the worst-ranked running request that
+        ranks no better than it (possibly itself); returns the victim."""
+        key = self._running_key(request)
+        victim = max(
+            (r for r in self._running if self._running_key(r) >= key),
+            key=self._running_key,
+        )
+        step.under_kv_pressure = True
+        self._preempt(victim, step)
+        return victim
+
+    def _preempt(self, request: Request, step: _Step) -> None:
+        chunk = step.chunks.pop(request.request_id, None)
+        if chunk is not None:
+            # Scheduled earlier in this step: undo it, its KV was never written.
+            request.num_computed_tokens = chunk.start
+            step.num_tokens -= chunk.num_tokens
+        bm = self.block_manager
+        bm.cache_full_blocks(request)
+        bm.free(request)
+        lost = request.num_computed_tokens
+        self._lost_tokens[request.request_id] = self._lost_tokens.get(request.request_id, 0) + lost
+        self._stats = replace(
+            self._stats,
+            num_preemptions=self._stats.num_preemptions + 1,
+            num_preempted_tokens=self._stats.num_preempted_tokens + lost,
+        )
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        self._running.remove(request)
+        bisect.insort(self._waiting, request, key=self._waiting_key)
+        step.preempted.append(request)
+
+    def _add_chunk(self, step: _Step, request: Request, num_tokens: int) -> None:
+        start = request.num_computed_tokens
+        step.chunks[request.request_id] = ScheduledChunk(request, start, num_tokens)
+        request.num_computed_tokens = start + num_tokens
+        step.num_tokens += num_tokens
+
+    def _running_key(self, request: Request) -> tuple[int, float, int]:
+        return (request.priority.rank, request.priority.arrival_s, self._order[request.request_id])
+
+    def _waiting_key(self, request: Request) -> tuple[int, int, float, int]:
+        # Preempted victims keep their place ahead of newcomers of their rank.
+        newcomer = 0 if request.status is RequestStatus.PREEMPTED else 1
+        return (
+            request.priority.rank,
+            newcomer,
+            request.priority.arrival_s,
+            self._order[request.request_id],
+        )
