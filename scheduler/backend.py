@@ -1,0 +1,211 @@
+"""The queue backend contract shared by the in-memory and the Redis backends.
+
+A gateway `enqueue`s admitted jobs and reads their results; a worker's dispatcher
+`dispatch`es (leases) the job the policy picks, `renew`s the lease while it runs,
+`publish_tokens` as they are generated (`charge`ing them to the tenant), and ends the job
+with `complete` or `fail`. A job whose worker dies returns to the head of its tenant's
+queue through `reclaim_expired_leases` and resumes after the tokens already streamed.
+
+Both backends implement the same operations with identical semantics (a differential
+test holds them to it), so the single-process server and a Redis fleet behave alike.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from scheduler.job import Job
+from scheduler.policy import TierConfig
+
+
+class QueueError(Exception):
+    """Base class of the errors the queue raises on purpose."""
+
+
+class QueueFullError(QueueError):
+    """The tier holds `max_queued_jobs` queued jobs already."""
+
+    def __init__(self, tier: str, max_queued_jobs: int) -> None:
+        super().__init__(f"tier {tier!r} already queues {max_queued_jobs} jobs")
+        self.tier = tier
+        self.max_queued_jobs = max_queued_jobs
+
+
+class UnknownTierError(QueueError):
+    """A job names a tier the queue has no configuration for."""
+
+    def __init__(self, tier: str) -> None:
+        super().__init__(f"tier {tier!r} is not configured")
+        self.tier = tier
+
+
+class DuplicateJobError(QueueError):
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"job {job_id!r} is already known to the queue")
+        self.job_id = job_id
+
+
+class BackendUnavailableError(QueueError):
+    """The shared queue (Redis) cannot be reached; callers should fail fast."""
+
+
+class JobStatus(enum.StrEnum):
+    QUEUED = "queued"
+    LEASED = "leased"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    DROPPED = "dropped"  # queued past max_queue_ms
+
+
+class EventKind(enum.StrEnum):
+    TOKENS = "tokens"
+    DONE = "done"  # end of stream, success
+    ERROR = "error"  # end of stream, failure (code says why: queue_timeout, engine_error...)
+
+
+QUEUE_TIMEOUT = "queue_timeout"
+
+
+@dataclass(frozen=True)
+class ResultEvent:
+    """One entry of a job's result stream. `cursor` resumes reading right after it."""
+
+    kind: EventKind
+    cursor: str = ""
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+    finish_reason: str = ""
+    code: str = ""
+    message: str = ""
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.kind is not EventKind.TOKENS
+
+
+@dataclass(frozen=True)
+class TenantDepth:
+    num_jobs: int
+    num_prefill_tokens: int
+    num_decode_tokens: int  # max_tokens of the queued jobs
+
+
+@dataclass(frozen=True)
+class TierDepth:
+    num_jobs: int
+    tenants: dict[str, TenantDepth] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WorkAhead:
+    """Work the policy would serve before a new job of a given tenant and tier."""
+
+    num_prefill_tokens: int
+    num_decode_tokens: int
+
+
+@dataclass(frozen=True)
+class FleetCapacity:
+    """The sum of the measured rates of live workers."""
+
+    num_workers: int
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+
+
+START_CURSOR = "0"
+
+
+class QueueBackend(Protocol):
+    """The shared queue, its leases and the per-request result channels."""
+
+    async def configure_tiers(self, tiers: Sequence[TierConfig]) -> None:
+        """Replace the tier table; takes effect at the next dispatch in every process."""
+        ...
+
+    async def get_tiers(self) -> list[TierConfig]: ...
+
+    async def enqueue(self, job: Job) -> None:
+        """Queue an admitted job. Raises UnknownTierError, QueueFullError, DuplicateJobError."""
+        ...
+
+    async def dispatch(self, worker_id: str, lease_ms: int) -> Job | None:
+        """Lease the job the policy picks (None when nothing is queued).
+
+        Charges its prompt tokens to the tenant on its first lease. The job's `rank` is the
+        tier's current rank and `resumed_token_ids` holds what the client already has.
+        Jobs queued past their max_queue_ms are dropped first, ending their result stream
+        with an error event of code `queue_timeout`.
+        """
+        ...
+
+    async def charge(self, job_id: str, *, input_tokens: int = 0, output_tokens: int = 0) -> bool:
+        """Add served tokens to the tenant's counter and the tier's share window."""
+        ...
+
+    async def renew(self, worker_id: str, job_id: str, lease_ms: int) -> bool:
+        """Extend a lease; False means the worker lost the job (cancelled or reclaimed)."""
+        ...
+
+    async def requeue(
+        self, job_id: str, resumed_token_ids: Sequence[int], *, worker_id: str | None = None
+    ) -> bool:
+        """Put a leased job back at its place (ahead of later arrivals) in its tenant's queue."""
+        ...
+
+    async def reclaim_expired_leases(self, now_ms: int | None = None) -> list[str]:
+        """Requeue jobs whose lease ran out; each resumes after the tokens it streamed."""
+        ...
+
+    async def cancel(self, job_id: str) -> bool:
+        """Drop a queued or leased job (its client went away)."""
+        ...
+
+    async def job_status(self, job_id: str) -> JobStatus | None: ...
+
+    async def depth(self) -> dict[str, TierDepth]: ...
+
+    async def work_ahead(self, tier: str, tenant_id: str, weight: float) -> WorkAhead: ...
+
+    async def publish_tokens(
+        self, job_id: str, worker_id: str, token_ids: Sequence[int], text: str = ""
+    ) -> bool:
+        """Append tokens to the result stream; False if the worker no longer holds the job."""
+        ...
+
+    async def complete(
+        self, job_id: str, *, worker_id: str | None = None, finish_reason: str = "stop"
+    ) -> bool:
+        """End the stream with a done event and finish the job, atomically."""
+        ...
+
+    async def fail(
+        self, job_id: str, *, code: str, message: str, worker_id: str | None = None
+    ) -> bool:
+        """End the stream with an error event and finish the job, atomically."""
+        ...
+
+    def results(
+        self, job_id: str, after: str = START_CURSOR, *, poll_ms: int = 1000
+    ) -> AsyncIterator[ResultEvent]:
+        """Events after cursor `after`, waiting for new ones, up to the terminal event."""
+        ...
+
+    async def publish_capacity(
+        self,
+        worker_id: str,
+        *,
+        prefill_tokens_per_s: float,
+        decode_tokens_per_s: float,
+        ttl_ms: int,
+    ) -> None:
+        """A worker's measured rates; they count for ttl_ms (publish again to stay live)."""
+        ...
+
+    async def fleet_capacity(self) -> FleetCapacity: ...
+
+    async def aclose(self) -> None: ...

@@ -1,0 +1,128 @@
+"""Every Redis key the scheduler uses, in one place.
+
+All keys start with a configurable prefix so that tests and deployments can share one
+Redis server. Keep a hash tag in the prefix (the default `{tiergate}:`) so that every key
+of one deployment lands in the same Redis Cluster slot, which the Lua scripts need: they
+derive per-tier and per-tenant key names at run time from the prefix.
+
+Families (after the prefix):
+- `seq`                   string, arrival counter (orders jobs within a tenant)
+- `tiers`                 hash, tier name -> JSON of its TierConfig
+- `depth`                 hash, tier -> number of queued jobs (fields at 0 are removed)
+- `job:<id>`              hash, one job's record; expires after it finishes
+- `tq:<tier>:<tenant>`    sorted set, the tenant's queued job ids scored by arrival seq
+- `active:<tier>`         sorted set, backlogged tenants scored by virtual token counter
+- `vtc:<tier>`            hash, tenant -> virtual token counter (kept while idle)
+- `floor`                 hash, tier -> counter of the tenant served last
+- `weights:<tier>`        hash, tenant -> latest fair-share weight
+- `qprefill:<tier>`       hash, tenant -> queued prompt tokens
+- `qdecode:<tier>`        hash, tenant -> queued max_tokens
+- `share:<tier>`          hash, window bucket -> tokens served to the tier
+- `share_total`           hash, window bucket -> tokens served to all tiers
+- `expiries`              sorted set, queued job id -> ms when it times out
+- `deadlines`             sorted set, queued job id -> batch deadline ms
+- `leases`                sorted set, leased job id -> ms when its lease ends
+- `res:<id>`              stream, one request's result events; expires after the last
+- `workers`               sorted set, worker id -> ms until its capacity report lapses
+- `cap:<worker>`          hash, a worker's measured prefill and decode tokens/s
+- `rl:<tenant>`           hash, a tenant's RPM and TPM bucket levels
+- `rl_inflight:<tenant>`  sorted set, reservation id -> ms when it lapses (concurrency)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_PREFIX = "{tiergate}:"
+
+# Family name -> suffix after the prefix. Lua scripts receive the same table (LUA_KEY_TABLE).
+FAMILIES: dict[str, str] = {
+    "seq": "seq",
+    "tiers": "tiers",
+    "depth": "depth",
+    "job": "job:",
+    "tq": "tq:",
+    "active": "active:",
+    "vtc": "vtc:",
+    "floor": "floor",
+    "weights": "weights:",
+    "qprefill": "qprefill:",
+    "qdecode": "qdecode:",
+    "share": "share:",
+    "share_total": "share_total",
+    "expiries": "expiries",
+    "deadlines": "deadlines",
+    "leases": "leases",
+    "res": "res:",
+    "workers": "workers",
+    "cap": "cap:",
+    "rl": "rl:",
+    "rl_inflight": "rl_inflight:",
+}
+
+
+def lua_key_table() -> str:
+    """Lua code defining `K`, the key names built from the prefix passed as ARGV[1].
+
+    It is prepended to every script, so the names live here and nowhere else.
+    """
+    entries = ", ".join(f"{name} = P .. '{suffix}'" for name, suffix in FAMILIES.items())
+    return f"local P = ARGV[1]\nlocal K = {{{entries}}}\n"
+
+
+@dataclass(frozen=True)
+class KeySpace:
+    """Key names under one prefix, for the Python side of the Redis backends."""
+
+    prefix: str = DEFAULT_PREFIX
+
+    def __post_init__(self) -> None:
+        if not self.prefix:
+            raise ValueError("the key prefix must not be empty")
+
+    def _key(self, family: str, suffix: str = "") -> str:
+        return self.prefix + FAMILIES[family] + suffix
+
+    @property
+    def tiers(self) -> str:
+        return self._key("tiers")
+
+    @property
+    def depth(self) -> str:
+        return self._key("depth")
+
+    @property
+    def workers(self) -> str:
+        return self._key("workers")
+
+    def job(self, job_id: str) -> str:
+        return self._key("job", job_id)
+
+    def tenant_queue(self, tier: str, tenant_id: str) -> str:
+        return self._key("tq", f"{tier}:{tenant_id}")
+
+    def active(self, tier: str) -> str:
+        return self._key("active", tier)
+
+    def queued_prefill(self, tier: str) -> str:
+        return self._key("qprefill", tier)
+
+    def queued_decode(self, tier: str) -> str:
+        return self._key("qdecode", tier)
+
+    def results(self, job_id: str) -> str:
+        return self._key("res", job_id)
+
+    def capacity(self, worker_id: str) -> str:
+        return self._key("cap", worker_id)
+
+    def rate_buckets(self, tenant_id: str) -> str:
+        return self._key("rl", tenant_id)
+
+    def rate_inflight(self, tenant_id: str) -> str:
+        return self._key("rl_inflight", tenant_id)
+
+    def pattern(self) -> str:
+        """A SCAN pattern matching every key of this prefix (for cleanup in tests)."""
+        escaped = "".join("\\" + c if c in "*?[]\\" else c for c in self.prefix)
+        return escaped + "*"

@@ -1,0 +1,517 @@
+"""The single-process queue backend: the policy over heaps, results over asyncio.
+
+Semantics are those of the Redis backend (scheduler/lua/*.lua), operation for operation,
+including tie-breaks: a Redis sorted set orders by (score, member), and every heap here
+orders by the same pair. Removals are lazy: stale heap entries are skipped when they
+surface, which keeps every operation O(log n).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from scheduler import policy
+from scheduler.backend import (
+    QUEUE_TIMEOUT,
+    START_CURSOR,
+    DuplicateJobError,
+    EventKind,
+    FleetCapacity,
+    JobStatus,
+    QueueFullError,
+    ResultEvent,
+    TenantDepth,
+    TierDepth,
+    UnknownTierError,
+    WorkAhead,
+)
+from scheduler.job import Job
+from scheduler.policy import PolicyConfig, TierConfig, TierLoad
+
+
+def wall_clock_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+@dataclass(eq=False)
+class _Entry:
+    job: Job
+    seq: int
+    status: JobStatus = JobStatus.QUEUED
+    worker_id: str = ""
+    lease_until_ms: int = 0
+    num_leases: int = 0
+    is_input_charged: bool = False
+    resumed_token_ids: tuple[int, ...] = ()
+    expire_at_ms: int | None = None
+    deadline_ms: int | None = None
+
+
+@dataclass(eq=False)
+class _TenantQueue:
+    heap: list[tuple[int, str]] = field(default_factory=list)  # (seq, job_id)
+    members: set[str] = field(default_factory=set)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+    def head(self) -> str | None:
+        while self.heap and self.heap[0][1] not in self.members:
+            heapq.heappop(self.heap)
+        return self.heap[0][1] if self.heap else None
+
+
+@dataclass(eq=False)
+class _Tier:
+    queues: dict[str, _TenantQueue] = field(default_factory=dict)
+    active: dict[str, float] = field(default_factory=dict)  # backlogged tenant -> counter
+    active_heap: list[tuple[float, str]] = field(default_factory=list)
+    counters: dict[str, float] = field(default_factory=dict)
+    weights: dict[str, float] = field(default_factory=dict)
+    floor: float = 0.0
+    num_jobs: int = 0
+    share: dict[int, int] = field(default_factory=dict)  # bucket -> tokens served
+
+    def min_active(self) -> tuple[float, str] | None:
+        heap = self.active_heap
+        while heap and self.active.get(heap[0][1]) != heap[0][0]:
+            heapq.heappop(heap)
+        return heap[0] if heap else None
+
+    def set_active(self, tenant: str, counter: float) -> None:
+        self.active[tenant] = counter
+        heapq.heappush(self.active_heap, (counter, tenant))
+
+
+@dataclass(eq=False)
+class _Stream:
+    events: list[ResultEvent] = field(default_factory=list)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def append(self, event: ResultEvent) -> None:
+        self.events.append(replace(event, cursor=str(len(self.events) + 1)))
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+
+class MemoryBackend:
+    """In-process queue for `tiergate serve` (one process); see QueueBackend."""
+
+    def __init__(
+        self,
+        tiers: Sequence[TierConfig] = (),
+        *,
+        config: PolicyConfig | None = None,
+        clock_ms: Callable[[], int] = wall_clock_ms,
+        finished_ttl_ms: int = 3_600_000,
+    ) -> None:
+        self._config = config or PolicyConfig()
+        self._clock_ms = clock_ms
+        self._finished_ttl_ms = finished_ttl_ms
+        self._tier_configs: dict[str, TierConfig] = {}
+        self._tiers: dict[str, _Tier] = {}
+        self._entries: dict[str, _Entry] = {}
+        self._streams: dict[str, _Stream] = {}
+        self._seq = 0
+        self._expiries: list[tuple[int, str]] = []
+        self._deadlines: list[tuple[int, str]] = []
+        self._leases: list[tuple[int, str]] = []
+        self._purges: list[tuple[int, str]] = []
+        self._total_share: dict[int, int] = {}
+        self._workers: dict[str, tuple[int, float, float]] = {}
+        self._configure(tiers)
+
+    # -- tiers -------------------------------------------------------------------------
+
+    def _configure(self, tiers: Sequence[TierConfig]) -> None:
+        policy.validate_tiers(tiers)
+        self._tier_configs = {t.name: t for t in tiers}
+
+    async def configure_tiers(self, tiers: Sequence[TierConfig]) -> None:
+        self._configure(tiers)
+
+    async def get_tiers(self) -> list[TierConfig]:
+        return policy.tier_order(list(self._tier_configs.values()))
+
+    def _rank(self, tier: str) -> int:
+        config = self._tier_configs.get(tier)
+        return policy.UNCONFIGURED_TIER_RANK if config is None else config.rank
+
+    def _tier(self, name: str) -> _Tier:
+        tier = self._tiers.get(name)
+        if tier is None:
+            tier = self._tiers[name] = _Tier()
+        return tier
+
+    # -- queue -------------------------------------------------------------------------
+
+    async def enqueue(self, job: Job) -> None:
+        self._purge(self._clock_ms())
+        config = self._tier_configs.get(job.tier)
+        if config is None:
+            raise UnknownTierError(job.tier)
+        if job.job_id in self._entries:
+            raise DuplicateJobError(job.job_id)
+        tier = self._tier(job.tier)
+        if config.max_queued_jobs is not None and tier.num_jobs >= config.max_queued_jobs:
+            raise QueueFullError(job.tier, config.max_queued_jobs)
+        self._seq += 1
+        entry = _Entry(
+            job,
+            self._seq,
+            expire_at_ms=policy.expire_at_ms(job),
+            deadline_ms=policy.deadline_ms(job),
+        )
+        self._entries[job.job_id] = entry
+        tier.weights[job.tenant_id] = job.weight
+        self._push(entry)
+        if entry.expire_at_ms is not None:
+            heapq.heappush(self._expiries, (entry.expire_at_ms, job.job_id))
+
+    def _push(self, entry: _Entry) -> None:
+        job = entry.job
+        tier = self._tier(job.tier)
+        queue = tier.queues.get(job.tenant_id)
+        if queue is None:
+            queue = tier.queues[job.tenant_id] = _TenantQueue()
+        queue.members.add(job.job_id)
+        heapq.heappush(queue.heap, (entry.seq, job.job_id))
+        queue.num_prefill_tokens += job.num_prompt_tokens
+        queue.num_decode_tokens += job.params.max_tokens
+        tier.num_jobs += 1
+        entry.status = JobStatus.QUEUED
+        if entry.deadline_ms is not None:
+            heapq.heappush(self._deadlines, (entry.deadline_ms, job.job_id))
+        if job.tenant_id not in tier.active:
+            low = tier.min_active()
+            own = tier.counters.get(job.tenant_id, 0.0)
+            lifted = policy.lifted_counter(own, None if low is None else low[0], tier.floor)
+            tier.counters[job.tenant_id] = lifted
+            tier.set_active(job.tenant_id, lifted)
+
+    def _unqueue(self, entry: _Entry) -> None:
+        job = entry.job
+        tier = self._tiers[job.tier]
+        queue = tier.queues[job.tenant_id]
+        queue.members.discard(job.job_id)
+        queue.num_prefill_tokens -= job.num_prompt_tokens
+        queue.num_decode_tokens -= job.params.max_tokens
+        tier.num_jobs -= 1
+        if not queue.members:
+            del tier.queues[job.tenant_id]
+            del tier.active[job.tenant_id]
+
+    async def dispatch(self, worker_id: str, lease_ms: int) -> Job | None:
+        now_ms = self._clock_ms()
+        self._purge(now_ms)
+        self._drop_expired(now_ms)
+        job_id = self._promoted(now_ms) or self._pick(now_ms)
+        if job_id is None:
+            return None
+        entry = self._entries[job_id]
+        job = entry.job
+        tier = self._tiers[job.tier]
+        self._unqueue(entry)
+        counter = tier.counters[job.tenant_id]
+        tier.floor = counter
+        if not entry.is_input_charged:
+            entry.is_input_charged = True
+            self._charge(entry, job.num_prompt_tokens, 0, now_ms)
+        entry.status = JobStatus.LEASED
+        entry.worker_id = worker_id
+        entry.lease_until_ms = now_ms + lease_ms
+        entry.num_leases += 1
+        heapq.heappush(self._leases, (entry.lease_until_ms, job_id))
+        return replace(job, rank=self._rank(job.tier), resumed_token_ids=entry.resumed_token_ids)
+
+    def _drop_expired(self, now_ms: int) -> None:
+        num_dropped = 0
+        heap = self._expiries
+        while heap and heap[0][0] <= now_ms and num_dropped < self._config.max_expired_per_dispatch:
+            expire_ms, job_id = heapq.heappop(heap)
+            entry = self._entries.get(job_id)
+            if (
+                entry is None
+                or entry.status is not JobStatus.QUEUED
+                or entry.expire_at_ms != expire_ms
+            ):
+                continue
+            num_dropped += 1
+            self._unqueue(entry)
+            self._stream(job_id).append(
+                ResultEvent(
+                    EventKind.ERROR, code=QUEUE_TIMEOUT, message="queued longer than max_queue_ms"
+                )
+            )
+            self._finish(entry, JobStatus.DROPPED, now_ms)
+
+    def _promoted(self, now_ms: int) -> str | None:
+        heap = self._deadlines
+        while heap:
+            deadline, job_id = heap[0]
+            entry = self._entries.get(job_id)
+            if (
+                entry is None
+                or entry.status is not JobStatus.QUEUED
+                or entry.deadline_ms != deadline
+            ):
+                heapq.heappop(heap)
+                continue
+            return job_id if policy.is_deadline_at_risk(deadline, now_ms, self._config) else None
+        return None
+
+    def _pick(self, now_ms: int) -> str | None:
+        loads = []
+        for name, tier in self._tiers.items():
+            self._prune_share(tier.share, now_ms)
+            if tier.num_jobs == 0:
+                continue
+            config = self._tier_configs.get(name)
+            loads.append(
+                TierLoad(
+                    name,
+                    self._rank(name),
+                    0.0 if config is None else config.min_share,
+                    policy.window_sum(tier.share, now_ms, self._config),
+                )
+            )
+        self._prune_share(self._total_share, now_ms)
+        total = policy.window_sum(self._total_share, now_ms, self._config)
+        name = policy.choose_tier(loads, total)
+        if name is None:
+            return None
+        tier = self._tiers[name]
+        low = tier.min_active()
+        assert low is not None  # a tier with queued jobs has a backlogged tenant
+        return tier.queues[low[1]].head()
+
+    def _prune_share(self, buckets: dict[int, int], now_ms: int) -> None:
+        for bucket in [
+            b for b in buckets if not policy.is_bucket_in_window(b, now_ms, self._config)
+        ]:
+            del buckets[bucket]
+
+    def _charge(self, entry: _Entry, input_tokens: int, output_tokens: int, now_ms: int) -> None:
+        job = entry.job
+        tier = self._tier(job.tier)
+        cost = policy.charge_cost(input_tokens, output_tokens, job.weight, self._config)
+        counter = tier.counters.get(job.tenant_id, 0.0) + cost
+        tier.counters[job.tenant_id] = counter
+        if job.tenant_id in tier.active:
+            tier.set_active(job.tenant_id, counter)
+        bucket = policy.share_bucket(now_ms, self._config)
+        tokens = input_tokens + output_tokens
+        tier.share[bucket] = tier.share.get(bucket, 0) + tokens
+        self._total_share[bucket] = self._total_share.get(bucket, 0) + tokens
+
+    async def charge(self, job_id: str, *, input_tokens: int = 0, output_tokens: int = 0) -> bool:
+        entry = self._entries.get(job_id)
+        if entry is None:
+            return False
+        self._charge(entry, input_tokens, output_tokens, self._clock_ms())
+        return True
+
+    async def renew(self, worker_id: str, job_id: str, lease_ms: int) -> bool:
+        entry = self._entries.get(job_id)
+        if entry is None or entry.status is not JobStatus.LEASED or entry.worker_id != worker_id:
+            return False
+        entry.lease_until_ms = self._clock_ms() + lease_ms
+        heapq.heappush(self._leases, (entry.lease_until_ms, job_id))
+        return True
+
+    def _requeue(self, entry: _Entry, resumed_token_ids: tuple[int, ...]) -> None:
+        entry.resumed_token_ids = resumed_token_ids
+        entry.worker_id = ""
+        entry.lease_until_ms = 0
+        # Admitted work that already ran is never dropped for having queued too long.
+        entry.expire_at_ms = None
+        self._push(entry)
+
+    async def requeue(
+        self, job_id: str, resumed_token_ids: Sequence[int], *, worker_id: str | None = None
+    ) -> bool:
+        entry = self._entries.get(job_id)
+        if entry is None or entry.status is not JobStatus.LEASED:
+            return False
+        if worker_id is not None and entry.worker_id != worker_id:
+            return False
+        self._requeue(entry, tuple(resumed_token_ids))
+        return True
+
+    async def reclaim_expired_leases(self, now_ms: int | None = None) -> list[str]:
+        now_ms = self._clock_ms() if now_ms is None else now_ms
+        reclaimed = []
+        heap = self._leases
+        while (
+            heap and heap[0][0] <= now_ms and len(reclaimed) < self._config.max_expired_per_dispatch
+        ):
+            until_ms, job_id = heapq.heappop(heap)
+            entry = self._entries.get(job_id)
+            if (
+                entry is None
+                or entry.status is not JobStatus.LEASED
+                or entry.lease_until_ms != until_ms
+            ):
+                continue
+            stream = self._streams.get(job_id)
+            streamed = () if stream is None else _streamed_tokens(stream)
+            self._requeue(entry, streamed)
+            reclaimed.append(job_id)
+        return reclaimed
+
+    async def cancel(self, job_id: str) -> bool:
+        entry = self._entries.get(job_id)
+        if entry is None or entry.status not in (JobStatus.QUEUED, JobStatus.LEASED):
+            return False
+        if entry.status is JobStatus.QUEUED:
+            self._unqueue(entry)
+        self._finish(entry, JobStatus.CANCELLED, self._clock_ms())
+        return True
+
+    async def job_status(self, job_id: str) -> JobStatus | None:
+        self._purge(self._clock_ms())
+        entry = self._entries.get(job_id)
+        return None if entry is None else entry.status
+
+    def _finish(self, entry: _Entry, status: JobStatus, now_ms: int) -> None:
+        entry.status = status
+        entry.worker_id = ""
+        heapq.heappush(self._purges, (now_ms + self._finished_ttl_ms, entry.job.job_id))
+
+    def _purge(self, now_ms: int) -> None:
+        while self._purges and self._purges[0][0] <= now_ms:
+            _, job_id = heapq.heappop(self._purges)
+            self._entries.pop(job_id, None)
+            self._streams.pop(job_id, None)
+
+    # -- stats and admission inputs ----------------------------------------------------
+
+    async def depth(self) -> dict[str, TierDepth]:
+        return {
+            name: TierDepth(
+                tier.num_jobs,
+                {
+                    tenant: TenantDepth(len(q.members), q.num_prefill_tokens, q.num_decode_tokens)
+                    for tenant, q in tier.queues.items()
+                },
+            )
+            for name, tier in self._tiers.items()
+            if tier.num_jobs
+        }
+
+    async def work_ahead(
+        self, tier: str, tenant_id: str, weight: float, num_prompt_tokens: int = 0
+    ) -> WorkAhead:
+        key = (self._rank(tier), tier)
+        prefill = decode = 0.0
+        for name, other in self._tiers.items():
+            if name != tier and other.num_jobs and (self._rank(name), name) < key:
+                for q in other.queues.values():
+                    prefill += q.num_prefill_tokens
+                    decode += q.num_decode_tokens
+        own = self._tiers.get(tier)
+        if own is not None:
+            mine = own.queues.get(tenant_id)
+            mine_prefill = num_prompt_tokens + (0 if mine is None else mine.num_prefill_tokens)
+            for tenant, q in own.queues.items():
+                if tenant == tenant_id:
+                    prefill += q.num_prefill_tokens
+                    decode += q.num_decode_tokens
+                    continue
+                take = min(q.num_prefill_tokens, mine_prefill * own.weights[tenant] / weight)
+                prefill += take
+                decode += (
+                    q.num_decode_tokens * take / q.num_prefill_tokens if q.num_prefill_tokens else 0
+                )
+        return WorkAhead(prefill, decode)
+
+    async def publish_capacity(
+        self,
+        worker_id: str,
+        *,
+        prefill_tokens_per_s: float,
+        decode_tokens_per_s: float,
+        ttl_ms: int,
+    ) -> None:
+        self._workers[worker_id] = (
+            self._clock_ms() + ttl_ms,
+            float(prefill_tokens_per_s),
+            float(decode_tokens_per_s),
+        )
+
+    async def fleet_capacity(self) -> FleetCapacity:
+        now_ms = self._clock_ms()
+        for worker_id in [w for w, (until, _, _) in self._workers.items() if until <= now_ms]:
+            del self._workers[worker_id]
+        live = self._workers.values()
+        return FleetCapacity(len(live), sum(p for _, p, _ in live), sum(d for _, _, d in live))
+
+    # -- results -----------------------------------------------------------------------
+
+    def _stream(self, job_id: str) -> _Stream:
+        stream = self._streams.get(job_id)
+        if stream is None:
+            stream = self._streams[job_id] = _Stream()
+        return stream
+
+    def _owned(self, job_id: str, worker_id: str | None) -> _Entry | None:
+        entry = self._entries.get(job_id)
+        if entry is None or entry.status is not JobStatus.LEASED:
+            return None
+        if worker_id is not None and entry.worker_id != worker_id:
+            return None
+        return entry
+
+    async def publish_tokens(
+        self, job_id: str, worker_id: str, token_ids: Sequence[int], text: str = ""
+    ) -> bool:
+        if self._owned(job_id, worker_id) is None:
+            return False
+        self._stream(job_id).append(
+            ResultEvent(EventKind.TOKENS, token_ids=tuple(token_ids), text=text)
+        )
+        return True
+
+    async def complete(
+        self, job_id: str, *, worker_id: str | None = None, finish_reason: str = "stop"
+    ) -> bool:
+        entry = self._owned(job_id, worker_id)
+        if entry is None:
+            return False
+        self._stream(job_id).append(ResultEvent(EventKind.DONE, finish_reason=finish_reason))
+        self._finish(entry, JobStatus.DONE, self._clock_ms())
+        return True
+
+    async def fail(
+        self, job_id: str, *, code: str, message: str, worker_id: str | None = None
+    ) -> bool:
+        entry = self._owned(job_id, worker_id)
+        if entry is None:
+            return False
+        self._stream(job_id).append(ResultEvent(EventKind.ERROR, code=code, message=message))
+        self._finish(entry, JobStatus.FAILED, self._clock_ms())
+        return True
+
+    async def results(
+        self, job_id: str, after: str = START_CURSOR, *, poll_ms: int = 1000
+    ) -> AsyncIterator[ResultEvent]:
+        index = int(after)
+        while True:
+            stream = self._stream(job_id)
+            while index < len(stream.events):
+                event = stream.events[index]
+                index += 1
+                yield event
+                if event.is_terminal:
+                    return
+            await stream.changed.wait()
+
+    async def aclose(self) -> None:
+        return None
+
+
+def _streamed_tokens(stream: _Stream) -> tuple[int, ...]:
+    return tuple(t for e in stream.events if e.kind is EventKind.TOKENS for t in e.token_ids)

@@ -1,0 +1,376 @@
+"""The shared queue backend: Redis, one Lua script per atomic operation.
+
+Many gateways and workers share one Redis. Each operation runs as one script
+(scheduler/lua/<op>.lua, loaded with `register_script`), so the policy decision and its
+bookkeeping are atomic. Semantics are those of MemoryBackend; a differential test holds
+the two to the same dispatch order.
+
+The client must be created with `decode_responses=True` (use `RedisBackend.from_url`).
+A Redis that cannot be reached raises BackendUnavailableError, which callers map to 503;
+nothing is cached, so service resumes by itself when Redis is back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import asdict
+from importlib import resources
+from typing import Any
+
+import redis.asyncio as aioredis
+import redis.exceptions
+
+from scheduler import policy
+from scheduler.backend import (
+    START_CURSOR,
+    BackendUnavailableError,
+    DuplicateJobError,
+    EventKind,
+    FleetCapacity,
+    JobStatus,
+    QueueFullError,
+    ResultEvent,
+    TenantDepth,
+    TierDepth,
+    UnknownTierError,
+    WorkAhead,
+)
+from scheduler.job import Job
+from scheduler.keys import KeySpace, lua_key_table
+from scheduler.memory_backend import wall_clock_ms
+from scheduler.policy import PolicyConfig, TierConfig
+
+_SCRIPTS = (
+    "enqueue",
+    "dispatch",
+    "charge",
+    "renew",
+    "requeue",
+    "reclaim",
+    "cancel",
+    "publish",
+    "work_ahead",
+)
+
+
+def load_script_source(name: str, *, with_queue_lib: bool = True) -> str:
+    """The full source of scheduler/lua/<name>.lua as sent to Redis (key table + helpers)."""
+    lua = resources.files("scheduler") / "lua"
+    source = (lua / f"{name}.lua").read_text(encoding="utf-8")
+    lib = (lua / "_lib.lua").read_text(encoding="utf-8") if with_queue_lib else ""
+    return lua_key_table() + lib + source
+
+
+@contextlib.contextmanager
+def unavailable_as_error() -> Iterator[None]:
+    """Turn "cannot reach Redis" into the queue's own typed error."""
+    try:
+        yield
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+        raise BackendUnavailableError(f"the shared queue (Redis) is unreachable: {exc}") from exc
+
+
+def _csv(token_ids: Sequence[int]) -> str:
+    return ",".join(str(int(t)) for t in token_ids)
+
+
+def _tokens(csv: str | None) -> tuple[int, ...]:
+    return tuple(int(t) for t in csv.split(",")) if csv else ()
+
+
+class RedisBackend:
+    """The queue in Redis, shared by every process; see QueueBackend."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        *,
+        keys: KeySpace | None = None,
+        config: PolicyConfig | None = None,
+        clock_ms: Callable[[], int] = wall_clock_ms,
+        finished_ttl_ms: int = 3_600_000,
+        result_ttl_ms: int = 3_600_000,
+        max_reclaim: int = 256,
+    ) -> None:
+        if not client.connection_pool.connection_kwargs.get("decode_responses"):
+            raise ValueError("RedisBackend needs a client created with decode_responses=True")
+        self._redis = client
+        self._keys = keys or KeySpace()
+        self._config = config or PolicyConfig()
+        self._clock_ms = clock_ms
+        self._finished_ttl_ms = finished_ttl_ms
+        self._result_ttl_ms = result_ttl_ms
+        self._max_reclaim = max_reclaim
+        self._scripts = {
+            name: client.register_script(load_script_source(name)) for name in _SCRIPTS
+        }
+
+    @classmethod
+    def from_url(cls, url: str, **kwargs: Any) -> RedisBackend:
+        return cls(aioredis.Redis.from_url(url, decode_responses=True), **kwargs)
+
+    @property
+    def keys(self) -> KeySpace:
+        return self._keys
+
+    async def _run(self, script: str, *args: object) -> Any:
+        with unavailable_as_error():
+            return await self._scripts[script](keys=[], args=[self._keys.prefix, *args])
+
+    # -- tiers -------------------------------------------------------------------------
+
+    async def configure_tiers(self, tiers: Sequence[TierConfig]) -> None:
+        policy.validate_tiers(tiers)
+        with unavailable_as_error():
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.delete(self._keys.tiers)
+                if tiers:
+                    pipe.hset(
+                        self._keys.tiers, mapping={t.name: json.dumps(asdict(t)) for t in tiers}
+                    )
+                await pipe.execute()
+
+    async def get_tiers(self) -> list[TierConfig]:
+        with unavailable_as_error():
+            raw = await self._redis.hgetall(self._keys.tiers)
+        return policy.tier_order([TierConfig(**json.loads(v)) for v in raw.values()])
+
+    # -- queue -------------------------------------------------------------------------
+
+    async def enqueue(self, job: Job) -> None:
+        deadline = policy.deadline_ms(job)
+        expire = policy.expire_at_ms(job)
+        outcome = await self._run(
+            "enqueue",
+            self._clock_ms(),
+            job.job_id,
+            job.to_json(),
+            job.tier,
+            job.tenant_id,
+            repr(float(job.weight)),
+            job.num_prompt_tokens,
+            job.params.max_tokens,
+            "" if deadline is None else deadline,
+            "" if expire is None else expire,
+        )
+        if outcome == "unknown_tier":
+            raise UnknownTierError(job.tier)
+        if outcome == "duplicate":
+            raise DuplicateJobError(job.job_id)
+        if outcome == "queue_full":
+            tiers = {t.name: t for t in await self.get_tiers()}
+            cap = tiers[job.tier].max_queued_jobs if job.tier in tiers else 0
+            raise QueueFullError(job.tier, cap or 0)
+
+    async def dispatch(self, worker_id: str, lease_ms: int) -> Job | None:
+        c = self._config
+        leased = await self._run(
+            "dispatch",
+            self._clock_ms(),
+            worker_id,
+            lease_ms,
+            repr(float(c.input_token_weight)),
+            repr(float(c.output_token_weight)),
+            c.share_bucket_ms,
+            c.share_buckets,
+            c.deadline_margin_ms,
+            c.max_expired_per_dispatch,
+            self._finished_ttl_ms,
+            self._result_ttl_ms,
+        )
+        if not leased:
+            return None
+        _, raw, resumed, rank = leased
+        job = Job.from_json(raw)
+        return Job(**{**job.__dict__, "rank": int(rank), "resumed_token_ids": _tokens(resumed)})
+
+    async def charge(self, job_id: str, *, input_tokens: int = 0, output_tokens: int = 0) -> bool:
+        c = self._config
+        return bool(
+            await self._run(
+                "charge",
+                self._clock_ms(),
+                job_id,
+                int(input_tokens),
+                int(output_tokens),
+                repr(float(c.input_token_weight)),
+                repr(float(c.output_token_weight)),
+                c.share_bucket_ms,
+            )
+        )
+
+    async def renew(self, worker_id: str, job_id: str, lease_ms: int) -> bool:
+        return bool(await self._run("renew", self._clock_ms(), worker_id, job_id, lease_ms))
+
+    async def requeue(
+        self, job_id: str, resumed_token_ids: Sequence[int], *, worker_id: str | None = None
+    ) -> bool:
+        return bool(
+            await self._run(
+                "requeue", self._clock_ms(), job_id, _csv(resumed_token_ids), worker_id or ""
+            )
+        )
+
+    async def reclaim_expired_leases(self, now_ms: int | None = None) -> list[str]:
+        now_ms = self._clock_ms() if now_ms is None else now_ms
+        return list(await self._run("reclaim", now_ms, self._max_reclaim))
+
+    async def cancel(self, job_id: str) -> bool:
+        return bool(await self._run("cancel", self._clock_ms(), job_id, self._finished_ttl_ms))
+
+    async def job_status(self, job_id: str) -> JobStatus | None:
+        with unavailable_as_error():
+            status = await self._redis.hget(self._keys.job(job_id), "st")
+        return None if status is None else JobStatus(status)
+
+    # -- stats and admission inputs ----------------------------------------------------
+
+    async def depth(self) -> dict[str, TierDepth]:
+        k = self._keys
+        with unavailable_as_error():
+            depth = await self._redis.hgetall(k.depth)
+            out = {}
+            for tier, num_jobs in depth.items():
+                tenants = await self._redis.zrange(k.active(tier), 0, -1)
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    for tenant in tenants:
+                        pipe.zcard(k.tenant_queue(tier, tenant))
+                        pipe.hget(k.queued_prefill(tier), tenant)
+                        pipe.hget(k.queued_decode(tier), tenant)
+                    values = await pipe.execute()
+                out[tier] = TierDepth(
+                    int(num_jobs),
+                    {
+                        tenant: TenantDepth(
+                            int(values[3 * i]),
+                            int(values[3 * i + 1] or 0),
+                            int(values[3 * i + 2] or 0),
+                        )
+                        for i, tenant in enumerate(tenants)
+                    },
+                )
+        return out
+
+    async def work_ahead(
+        self, tier: str, tenant_id: str, weight: float, num_prompt_tokens: int = 0
+    ) -> WorkAhead:
+        prefill, decode = await self._run(
+            "work_ahead", tier, tenant_id, repr(float(weight)), int(num_prompt_tokens)
+        )
+        return WorkAhead(float(prefill), float(decode))
+
+    async def publish_capacity(
+        self,
+        worker_id: str,
+        *,
+        prefill_tokens_per_s: float,
+        decode_tokens_per_s: float,
+        ttl_ms: int,
+    ) -> None:
+        k = self._keys
+        with unavailable_as_error():
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.hset(
+                    k.capacity(worker_id),
+                    mapping={
+                        "prefill_tokens_per_s": repr(float(prefill_tokens_per_s)),
+                        "decode_tokens_per_s": repr(float(decode_tokens_per_s)),
+                    },
+                )
+                pipe.pexpire(k.capacity(worker_id), ttl_ms)
+                pipe.zadd(k.workers, {worker_id: self._clock_ms() + ttl_ms})
+                await pipe.execute()
+
+    async def fleet_capacity(self) -> FleetCapacity:
+        k = self._keys
+        now_ms = self._clock_ms()
+        with unavailable_as_error():
+            await self._redis.zremrangebyscore(k.workers, "-inf", now_ms)
+            workers = await self._redis.zrange(k.workers, 0, -1)
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for worker_id in workers:
+                    pipe.hmget(k.capacity(worker_id), "prefill_tokens_per_s", "decode_tokens_per_s")
+                rates = [r for r in await pipe.execute() if r[0] is not None]
+        return FleetCapacity(
+            len(rates), sum(float(p) for p, _ in rates), sum(float(d) for _, d in rates)
+        )
+
+    # -- results -----------------------------------------------------------------------
+
+    async def _publish(
+        self,
+        job_id: str,
+        worker_id: str | None,
+        kind: EventKind,
+        *,
+        token_ids: Sequence[int] = (),
+        text: str = "",
+        finish_reason: str = "",
+        code: str = "",
+        message: str = "",
+    ) -> bool:
+        sid = await self._run(
+            "publish",
+            self._clock_ms(),
+            job_id,
+            worker_id or "",
+            kind.value,
+            _csv(token_ids),
+            text,
+            finish_reason,
+            code,
+            message,
+            self._result_ttl_ms,
+            self._finished_ttl_ms,
+        )
+        return bool(sid)
+
+    async def publish_tokens(
+        self, job_id: str, worker_id: str, token_ids: Sequence[int], text: str = ""
+    ) -> bool:
+        return await self._publish(
+            job_id, worker_id, EventKind.TOKENS, token_ids=token_ids, text=text
+        )
+
+    async def complete(
+        self, job_id: str, *, worker_id: str | None = None, finish_reason: str = "stop"
+    ) -> bool:
+        return await self._publish(job_id, worker_id, EventKind.DONE, finish_reason=finish_reason)
+
+    async def fail(
+        self, job_id: str, *, code: str, message: str, worker_id: str | None = None
+    ) -> bool:
+        return await self._publish(job_id, worker_id, EventKind.ERROR, code=code, message=message)
+
+    async def results(
+        self, job_id: str, after: str = START_CURSOR, *, poll_ms: int = 1000
+    ) -> AsyncIterator[ResultEvent]:
+        key = self._keys.results(job_id)
+        cursor = after
+        while True:
+            with unavailable_as_error():
+                reply = await self._redis.xread({key: cursor}, count=256, block=poll_ms)
+            for _, entries in reply or []:
+                for entry_id, fields in entries:
+                    cursor = entry_id
+                    event = _event(entry_id, fields)
+                    yield event
+                    if event.is_terminal:
+                        return
+
+    async def aclose(self) -> None:
+        await self._redis.aclose()
+
+
+def _event(entry_id: str, fields: dict[str, str]) -> ResultEvent:
+    return ResultEvent(
+        EventKind(fields["k"]),
+        cursor=entry_id,
+        token_ids=_tokens(fields.get("t")),
+        text=fields.get("x", ""),
+        finish_reason=fields.get("f", ""),
+        code=fields.get("c", ""),
+        message=fields.get("m", ""),
+    )
