@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime
 
 from sqlalchemy import insert
@@ -44,6 +44,26 @@ class UsageRecord:
     created_at: datetime
 
 
+_MAX_INT = 2**31 - 1
+
+
+def _fit_columns(rec: UsageRecord) -> UsageRecord:
+    """The record trimmed to what the columns hold, so that one odd record (an overlong
+    model name) cannot make its batch fail forever and block every later one."""
+    if not isinstance(rec, UsageRecord):
+        raise TypeError(f"expected a UsageRecord, got {type(rec).__name__}")
+    return replace(
+        rec,
+        request_id=rec.request_id[:64],
+        tenant_id=rec.tenant_id[:40],
+        tier=rec.tier[:32],
+        model=rec.model[:200],
+        outcome=rec.outcome[:64],
+        prompt_tokens=min(max(int(rec.prompt_tokens), 0), _MAX_INT),
+        completion_tokens=min(max(int(rec.completion_tokens), 0), _MAX_INT),
+    )
+
+
 class UsageWriter:
     """Buffers UsageRecords and writes them in batches off the request path."""
 
@@ -62,16 +82,20 @@ class UsageWriter:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._flush_lock = asyncio.Lock()
+        self._num_in_flight = 0
+        self._num_failed_flushes = 0  # consecutive; logs the first in full, then a line
         self.num_written = 0
         self.num_dropped = 0
 
     @property
     def num_pending(self) -> int:
-        return len(self._buffer)
+        """Records not yet written (buffered or being written)."""
+        return len(self._buffer) + self._num_in_flight
 
     def record(self, rec: UsageRecord) -> None:
         """Queue one record. Never blocks and never raises."""
         try:
+            rec = _fit_columns(rec)
             if len(self._buffer) == self._buffer.maxlen:
                 self.num_dropped += 1  # the deque drops the oldest
             self._buffer.append(rec)
@@ -103,17 +127,25 @@ class UsageWriter:
             batch = [self._buffer.popleft() for _ in range(min(self._max_batch, len(self._buffer)))]
             if not batch:
                 return True
+            self._num_in_flight = len(batch)
             try:
                 async with self._sessionmaker() as session, session.begin():
                     await session.execute(insert(UsageRow), [asdict(rec) for rec in batch])
-            except Exception:
-                log.exception("writing %d usage records failed; will retry", len(batch))
+            except Exception as exc:
+                self._num_failed_flushes += 1
+                if self._num_failed_flushes == 1:
+                    log.exception("writing %d usage records failed; will retry", len(batch))
+                else:
+                    log.warning("usage records still unwritten (%s)", type(exc).__name__)
                 # Back at the front, in order; the oldest fall off if the buffer is full.
                 space = (self._buffer.maxlen or 0) - len(self._buffer)
                 num_lost = max(0, len(batch) - space)
                 self.num_dropped += num_lost
                 self._buffer.extendleft(reversed(batch[num_lost:]))
                 return False
+            finally:
+                self._num_in_flight = 0
+            self._num_failed_flushes = 0
             self.num_written += len(batch)
             return True
 

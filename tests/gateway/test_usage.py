@@ -1,0 +1,130 @@
+"""Usage records: buffered, written in batches off the request path, retried, bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import UTC, datetime, timedelta
+
+from sqlalchemy import select
+
+from gateway.db.models import UsageRow
+from gateway.db.session import create_db_engine, create_sessionmaker
+from gateway.migrate import upgrade_to_head
+from gateway.usage import UsageRecord, UsageWriter
+
+T0 = datetime(2030, 5, 1, 12, 0, 0, 123456, tzinfo=UTC)
+
+
+def _record(i: int, **fields) -> UsageRecord:
+    values = {
+        "request_id": f"req_{i}",
+        "tenant_id": "ten_a" if i % 2 else "ten_b",
+        "tier": "interactive",
+        "model": "tiny-random",
+        "prompt_tokens": 10 + i,
+        "completion_tokens": i,
+        "queue_wait_ms": 1.5,
+        "ttft_ms": 20.25,
+        "e2e_ms": 100.0 + i,
+        "outcome": "ok",
+        "created_at": T0 + timedelta(seconds=i),
+    }
+    return UsageRecord(**{**values, **fields})
+
+
+async def _rows(sessionmaker) -> list[UsageRow]:
+    async with sessionmaker() as session:
+        return list((await session.scalars(select(UsageRow).order_by(UsageRow.id))).all())
+
+
+async def test_records_round_trip(db_sessionmaker) -> None:
+    writer = UsageWriter(db_sessionmaker, flush_interval_s=60)
+    await writer.start()
+    records = [_record(i) for i in range(7)]
+    records.append(_record(7, ttft_ms=None, queue_wait_ms=None, outcome="rejected:slo"))
+    for rec in records:
+        writer.record(rec)
+    assert await _rows(db_sessionmaker) == []  # nothing written on the request path
+    await writer.aclose()
+    rows = await _rows(db_sessionmaker)
+    assert len(rows) == len(records)
+    for row, rec in zip(rows, records, strict=True):
+        assert row.request_id == rec.request_id
+        assert (row.tenant_id, row.tier, row.model) == (rec.tenant_id, rec.tier, rec.model)
+        assert (row.prompt_tokens, row.completion_tokens) == (
+            rec.prompt_tokens,
+            rec.completion_tokens,
+        )
+        assert (row.queue_wait_ms, row.ttft_ms, row.e2e_ms) == (
+            rec.queue_wait_ms,
+            rec.ttft_ms,
+            rec.e2e_ms,
+        )
+        assert row.outcome == rec.outcome
+        assert row.created_at == rec.created_at
+        assert row.created_at.tzinfo is not None
+    assert writer.num_written == len(records)
+
+
+async def test_flushes_on_interval_and_in_batches(db_sessionmaker) -> None:
+    writer = UsageWriter(db_sessionmaker, flush_interval_s=0.05, max_batch=10)
+    await writer.start()
+    try:
+        started = time.perf_counter()
+        for i in range(25):
+            writer.record(_record(i))
+        # record() only appends: 25 calls take far less than one database round trip.
+        assert time.perf_counter() - started < 0.05
+        for _ in range(100):
+            if writer.num_written == 25:
+                break
+            await asyncio.sleep(0.02)
+        assert len(await _rows(db_sessionmaker)) == 25
+        assert writer.num_pending == 0
+    finally:
+        await writer.aclose()
+
+
+async def test_database_down_keeps_records_and_retries(database_url) -> None:
+    # An empty database (no usage table yet) refuses every insert.
+    engine = create_db_engine(database_url)
+    sessionmaker = create_sessionmaker(engine)
+    try:
+        writer = UsageWriter(sessionmaker, flush_interval_s=0.02, max_batch=4)
+        await writer.start()
+        for i in range(6):
+            writer.record(_record(i))
+        await asyncio.sleep(0.1)
+        assert writer.num_written == 0
+        assert writer.num_pending == 6
+
+        await engine.dispose()  # let the migration take the SQLite file
+        await asyncio.to_thread(upgrade_to_head, database_url)
+        await writer.aclose()
+        rows = await _rows(sessionmaker)
+        assert [r.request_id for r in rows] == [f"req_{i}" for i in range(6)]
+    finally:
+        await engine.dispose()
+
+
+async def test_buffer_is_bounded(db_sessionmaker) -> None:
+    writer = UsageWriter(db_sessionmaker, max_buffered=5)
+    for i in range(8):  # never started: nothing drains the buffer
+        writer.record(_record(i))
+    assert (writer.num_pending, writer.num_dropped) == (5, 3)
+    await writer.aclose()
+    rows = await _rows(db_sessionmaker)
+    assert [r.request_id for r in rows] == [f"req_{i}" for i in range(3, 8)]  # oldest dropped
+
+
+async def test_record_never_raises_and_odd_records_do_not_block(db_sessionmaker) -> None:
+    writer = UsageWriter(db_sessionmaker)
+    writer.record(None)  # type: ignore[arg-type]  # a caller bug must not fail a request
+    assert writer.num_pending == 0
+    writer.record(_record(1, model="m" * 1000, outcome="rejected:" + "x" * 100))
+    writer.record(_record(2))
+    await writer.aclose()
+    rows = await _rows(db_sessionmaker)
+    assert [r.request_id for r in rows] == ["req_1", "req_2"]
+    assert rows[0].model == "m" * 200
