@@ -1,0 +1,196 @@
+"""The composition root: one function builds the whole process from Settings.
+
+`build_app(settings)` returns a Starlette app whose lifespan builds, in order, the
+database (upgraded first when it is the embedded SQLite file), the tier catalog, the key
+authenticator, the usage writer, the engine, the local queue and the dispatcher, then
+mounts the routes bound to them; shutdown stops them in reverse. Nothing lives in module
+globals: two apps in one process share nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from sqlalchemy import text
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Mount, Router
+from starlette.types import Receive, Scope, Send
+
+from gateway.admin import AdminDeps, admin_routes
+from gateway.auth import KeyAuthenticator
+from gateway.db.session import create_db_engine, create_sessionmaker
+from gateway.errors import (
+    ErrorKind,
+    GatewayError,
+    NotFoundError,
+    ServiceUnavailableError,
+    error_response,
+    register_error,
+)
+from gateway.health import health_routes
+from gateway.middleware import GatewayMiddleware
+from gateway.migrate import upgrade_to_head
+from gateway.openai.routes import OpenAIDeps, OpenAIRoutes
+from gateway.settings import Settings
+from gateway.tiers import TierCatalog
+from gateway.usage import UsageWriter
+from scheduler.dispatcher import Dispatcher, EngineLike
+from scheduler.local_queue import LocalQueue
+
+log = logging.getLogger(__name__)
+
+
+class MethodNotAllowedError(GatewayError):
+    """The path exists but not for this HTTP method (405)."""
+
+
+register_error(MethodNotAllowedError, ErrorKind(405, "invalid_request_error", "method_not_allowed"))
+
+
+def build_engine(settings: Settings) -> EngineLike:
+    """The in-process engine the settings describe (loads the model)."""
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+
+    config = EngineConfig(
+        model=settings.model,
+        device=settings.device,
+        kv_cache_bytes=settings.kv_cache_bytes,
+        max_model_len=settings.max_model_len,
+    )
+    return AsyncEngine(config)
+
+
+class _DeferredRoutes:
+    """An ASGI app whose router is built by the lifespan, once the components exist."""
+
+    def __init__(self) -> None:
+        self.router: Router | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.router is None:
+            raise ServiceUnavailableError("The server is starting.", code="starting")
+        await self.router(scope, receive, send)
+
+
+def build_app(settings: Settings, *, engine: EngineLike | None = None) -> Starlette:
+    """The gateway app for `settings`.
+
+    `engine` replaces the engine the settings describe: a harness (the benchmark) may
+    pass one built around another model runner. The app starts and shuts it down.
+    """
+    deferred = _DeferredRoutes()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: Starlette) -> AsyncIterator[None]:
+        async with contextlib.AsyncExitStack() as stack:
+            deferred.router = await _build_router(settings, engine, stack)
+            try:
+                yield
+            finally:
+                deferred.router = None
+
+    return Starlette(
+        routes=[Mount("/", app=deferred)],
+        middleware=[Middleware(GatewayMiddleware, max_body_bytes=settings.max_body_bytes)],
+        exception_handlers={HTTPException: _http_exception},
+        lifespan=lifespan,
+    )
+
+
+async def _build_router(
+    settings: Settings, engine: EngineLike | None, stack: contextlib.AsyncExitStack
+) -> Router:
+    database_url = settings.db_url
+    if settings.is_embedded_db:
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(upgrade_to_head, database_url)
+    db_engine = create_db_engine(database_url)
+    stack.push_async_callback(db_engine.dispose)
+    sessionmaker = create_sessionmaker(db_engine)
+    tiers = TierCatalog(sessionmaker)
+    auth = KeyAuthenticator(sessionmaker, tiers, cache_ttl_s=settings.auth_cache_ttl_s)
+
+    usage = UsageWriter(sessionmaker, flush_interval_s=settings.usage_flush_interval_s)
+    await usage.start()
+    stack.push_async_callback(usage.aclose)  # closed last: it flushes the final records
+
+    if engine is None:
+        engine = await asyncio.to_thread(build_engine, settings)
+    await _maybe_await(engine.start())  # type: ignore[attr-defined]
+    stack.push_async_callback(_shutdown_engine, engine)
+
+    dispatcher = Dispatcher(LocalQueue(), engine)
+    dispatcher.start()
+    stack.push_async_callback(dispatcher.aclose)
+
+    async def database_ready() -> None:
+        async with db_engine.connect() as connection:
+            await connection.execute(text("SELECT 1"))
+
+    async def worker_ready() -> None:
+        if not dispatcher.is_running:
+            raise ServiceUnavailableError("the dispatcher is not running")
+        is_alive = getattr(engine, "is_running", True)
+        if not is_alive:
+            raise ServiceUnavailableError("the engine is not running")
+
+    async def queue_ready() -> None:
+        # The in-memory queue lives in this process: reachable whenever the process is.
+        return None
+
+    routes = health_routes(
+        [("database", database_ready), ("queue", queue_ready), ("worker", worker_ready)]
+    )
+    openai = OpenAIRoutes(
+        OpenAIDeps(
+            auth=auth,
+            tiers=tiers,
+            model=engine,  # type: ignore[arg-type]
+            dispatcher=dispatcher,
+            usage=usage,
+            created_s=int(time.time()),
+        )
+    )
+    routes += openai.routes()
+    if settings.admin_token:
+        deps = AdminDeps(
+            sessionmaker=sessionmaker, admin_token=settings.admin_token, tiers=tiers, auth=auth
+        )
+        routes.append(Mount("/admin/v1", routes=admin_routes(deps)))
+    else:
+        log.warning("TIERGATE_ADMIN_TOKEN is not set: the admin API is disabled")
+    return Router(routes=routes)
+
+
+async def _shutdown_engine(engine: EngineLike) -> None:
+    await _maybe_await(engine.shutdown())  # type: ignore[attr-defined]
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    """Routing errors (unknown path, wrong method) in the OpenAI error shape."""
+    error: GatewayError
+    if getattr(exc, "status_code", None) == 405:
+        error = MethodNotAllowedError(
+            f"Method {request.method} is not allowed on {request.url.path}."
+        )
+    else:
+        error = NotFoundError(f"Unknown URL {request.url.path}.", code="unknown_url")
+    # The middleware adds x-request-id to every response, this one included.
+    return error_response(error)
+
+
+async def _maybe_await(value: Any) -> Any:
+    if inspect.isawaitable(value):
+        return await value
+    return value

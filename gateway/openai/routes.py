@@ -1,0 +1,404 @@
+"""/v1/models, /v1/completions and /v1/chat/completions.
+
+Admission in order: key -> tenant -> tier (service_tier may only go down); body ->
+typed request; model and context length; then a Job into the queue. The dispatcher runs
+it on the engine and the route streams (SSE) or collects the outputs. A client that goes
+away cancels its job. Every admitted request leaves one UsageRecord.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Protocol, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import BaseRoute, Route
+
+from engine.errors import ContextLengthExceededError, EngineError, RequestAbortedError
+from engine.request import SamplingParams
+from gateway.auth import KeyAuthenticator, Principal
+from gateway.errors import (
+    GatewayError,
+    InvalidRequestError,
+    NotFoundError,
+    PermissionDeniedError,
+    error_code,
+    error_response,
+)
+from gateway.middleware import request_id_of
+from gateway.openai.responses import SSE_DONE, ResponseShape, Usage
+from gateway.openai.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationOptions,
+    parse_chat_request,
+    parse_completion_request,
+)
+from gateway.tiers import TierCatalog, TierPolicy
+from gateway.usage import UsageRecord, UsageWriter
+from scheduler.dispatcher import Dispatcher, JobStream
+from scheduler.job import Job
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# service_tier values the official client sends that mean "my own tier".
+OWN_TIER_ALIASES = frozenset({"auto", "default"})
+
+T = TypeVar("T")
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]: ...
+
+
+class ModelInfo(Protocol):
+    """What the routes need from the engine: its name, context and tokenizer."""
+
+    model_name: str
+    max_model_len: int
+    tokenizer: Tokenizer
+
+
+@dataclass(frozen=True)
+class OpenAIDeps:
+    auth: KeyAuthenticator
+    tiers: TierCatalog
+    model: ModelInfo
+    dispatcher: Dispatcher
+    usage: UsageWriter
+    created_s: int  # advertised as the model's `created`
+
+
+class ClientDisconnectedError(Exception):
+    """The client closed the connection before its response was complete."""
+
+
+@dataclass
+class _Exchange:
+    """One admitted request's accounting, turned into a UsageRecord at the end."""
+
+    request_id: str
+    principal: Principal
+    tier: str
+    model: str
+    started_s: float  # monotonic
+    num_prompt_tokens: int = 0
+    num_completion_tokens: int = 0
+    first_token_s: float | None = None
+    stream: JobStream | None = None
+
+    def record(self, outcome: str) -> UsageRecord:
+        now = time.monotonic()
+        ttft_ms = None
+        if self.first_token_s is not None:
+            ttft_ms = (self.first_token_s - self.started_s) * 1000.0
+        return UsageRecord(
+            request_id=self.request_id,
+            tenant_id=self.principal.tenant_id,
+            tier=self.tier,
+            model=self.model,
+            prompt_tokens=self.num_prompt_tokens,
+            completion_tokens=self.num_completion_tokens,
+            queue_wait_ms=self.stream.queue_wait_ms if self.stream else None,
+            ttft_ms=ttft_ms,
+            e2e_ms=(now - self.started_s) * 1000.0,
+            outcome=outcome,
+            created_at=datetime.now(UTC),
+        )
+
+
+class OpenAIRoutes:
+    """The handlers; one instance per app, holding only its dependencies."""
+
+    def __init__(self, deps: OpenAIDeps) -> None:
+        self.deps = deps
+
+    def routes(self) -> list[BaseRoute]:
+        return [
+            Route("/v1/models", self.list_models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.get_model, methods=["GET"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+        ]
+
+    def _model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.deps.model.model_name,
+            "object": "model",
+            "created": self.deps.created_s,
+            "owned_by": "tiergate",
+        }
+
+    async def list_models(self, request: Request) -> Response:
+        await self.deps.auth.authenticate(request.headers.get("authorization"))
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def get_model(self, request: Request) -> Response:
+        await self.deps.auth.authenticate(request.headers.get("authorization"))
+        self._check_model(request.path_params["model"])
+        return JSONResponse(self._model_card())
+
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, chat=True)
+
+    async def _serve(self, request: Request, *, chat: bool) -> Response:
+        started_s = time.monotonic()
+        arrival_s = time.time()
+        request_id = request_id_of(request.scope)
+        principal = await self.deps.auth.authenticate(request.headers.get("authorization"))
+        exchange = _Exchange(
+            request_id, principal, principal.tier.name, self.deps.model.model_name, started_s
+        )
+        try:
+            body = await request.body()
+            parsed = parse_chat_request(body) if chat else parse_completion_request(body)
+            options = parsed.options
+            tier = await self._resolve_tier(principal, options.service_tier)
+            exchange.tier = tier.name
+            self._check_model(options.model)
+            prompt_ids = self._prompt_token_ids(parsed)
+            exchange.num_prompt_tokens = len(prompt_ids)
+            params = self._sampling_params(options, len(prompt_ids), chat=chat)
+        except (GatewayError, EngineError) as exc:
+            self.deps.usage.record(exchange.record(f"rejected:{error_code(exc)}"))
+            raise
+        job = _job(request_id, principal, tier, prompt_ids, params, arrival_s, options)
+        exchange.stream = self.deps.dispatcher.submit(job)
+        shape = ResponseShape.for_request(
+            request_id, model=self.deps.model.model_name, service_tier=tier.name, chat=chat
+        )
+        outputs = exchange.stream.__aiter__()
+        try:
+            # Wait for the first output before answering, so that an error raised before
+            # any token (engine refusal, shutdown) still gets its proper status code.
+            first = await self._unless_disconnected(request, _next_or_none(outputs))
+        except ClientDisconnectedError:
+            await self._finish_aborted(exchange)
+            return Response(status_code=499)
+        except Exception:
+            self.deps.usage.record(exchange.record("error"))
+            raise
+        if options.stream:
+            return StreamingResponse(
+                self._stream(exchange, shape, first, outputs, options.include_usage),
+                media_type="text/event-stream",
+                headers={"cache-control": "no-cache"},
+            )
+        try:
+            text, finish_reason = await self._unless_disconnected(
+                request, self._collect(exchange, first, outputs)
+            )
+        except ClientDisconnectedError:
+            await self._finish_aborted(exchange)
+            return Response(status_code=499)
+        except Exception:
+            self.deps.usage.record(exchange.record("error"))
+            raise
+        self.deps.usage.record(exchange.record("ok"))
+        usage = Usage(exchange.num_prompt_tokens, exchange.num_completion_tokens)
+        return JSONResponse(shape.full(text, finish_reason, usage))
+
+    async def _resolve_tier(self, principal: Principal, requested: str | None) -> TierPolicy:
+        if requested is None or requested in OWN_TIER_ALIASES or requested == principal.tier.name:
+            return principal.tier
+        try:
+            tier = await self.deps.tiers.get(requested)
+        except NotFoundError:
+            raise InvalidRequestError(
+                f"Unknown service_tier {requested!r}.", param="service_tier"
+            ) from None
+        if tier.rank < principal.tier.rank:
+            raise PermissionDeniedError(
+                f"service_tier {requested!r} is above this key's tier "
+                f"{principal.tier.name!r}; a request may only ask for a lower tier.",
+                param="service_tier",
+                code="tier_not_allowed",
+            )
+        return tier
+
+    def _check_model(self, model: str) -> None:
+        if model != self.deps.model.model_name:
+            raise NotFoundError(
+                f"The model {model!r} does not exist; this server serves "
+                f"{self.deps.model.model_name!r}.",
+                param="model",
+                code="model_not_found",
+            )
+
+    def _prompt_token_ids(self, parsed: CompletionRequest | ChatCompletionRequest) -> list[int]:
+        tokenizer = self.deps.model.tokenizer
+        if isinstance(parsed, ChatCompletionRequest):
+            messages = [m.as_template_dict() for m in parsed.messages]
+            return list(tokenizer.apply_chat_template(messages))
+        if isinstance(parsed.prompt, str):
+            ids = list(tokenizer.encode(parsed.prompt))
+        else:
+            ids = list(parsed.prompt)
+            vocab_size = tokenizer.vocab_size
+            if any(t >= vocab_size for t in ids):
+                raise InvalidRequestError(
+                    f"Token ids must be below the vocabulary size {vocab_size}.", param="prompt"
+                )
+        if not ids:
+            raise InvalidRequestError("prompt must not be empty.", param="prompt")
+        return ids
+
+    def _sampling_params(
+        self, options: GenerationOptions, num_prompt_tokens: int, *, chat: bool
+    ) -> SamplingParams:
+        max_model_len = self.deps.model.max_model_len
+        max_tokens = options.max_tokens
+        if max_tokens is None:
+            # Chat defaults to the rest of the context window, as OpenAI does.
+            remaining = max_model_len - num_prompt_tokens
+            max_tokens = remaining if chat else min(DEFAULT_COMPLETION_MAX_TOKENS, remaining)
+            max_tokens = max(max_tokens, 1)
+        if num_prompt_tokens + max_tokens > max_model_len:
+            raise ContextLengthExceededError(
+                num_prompt_tokens=num_prompt_tokens,
+                max_tokens=max_tokens,
+                max_model_len=max_model_len,
+            )
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=options.temperature,
+            top_p=options.top_p,
+            seed=options.seed,
+            stop=options.stop,
+        )
+
+    async def _collect(
+        self, exchange: _Exchange, first: Any, outputs: AsyncIterator[Any]
+    ) -> tuple[str, str | None]:
+        pieces: list[str] = []
+        finish_reason: str | None = None
+        output = first
+        while output is not None:
+            self._account(exchange, output)
+            pieces.append(output.text_delta)
+            if output.finished:
+                finish_reason = _finish_reason(output)
+            output = await _next_or_none(outputs)
+        return "".join(pieces), finish_reason
+
+    async def _stream(
+        self,
+        exchange: _Exchange,
+        shape: ResponseShape,
+        first: Any,
+        outputs: AsyncIterator[Any],
+        include_usage: bool,
+    ) -> AsyncIterator[bytes]:
+        outcome = "aborted"
+        try:
+            if shape.chat:
+                yield shape.chunk("", None, first=True, include_usage=include_usage)
+            output = first
+            while output is not None:
+                self._account(exchange, output)
+                finish_reason = _finish_reason(output) if output.finished else None
+                if output.text_delta or finish_reason is not None:
+                    yield shape.chunk(output.text_delta, finish_reason, include_usage=include_usage)
+                output = await _next_or_none(outputs)
+            if include_usage:
+                yield shape.usage_chunk(
+                    Usage(exchange.num_prompt_tokens, exchange.num_completion_tokens)
+                )
+            yield SSE_DONE
+            outcome = "ok"
+        except RequestAbortedError:
+            outcome = "aborted"
+        except Exception as exc:
+            # Headers are gone: the error travels as an SSE event, then the stream ends.
+            outcome = "error"
+            yield b"data: " + error_response(exc).body + b"\n\n"
+        finally:
+            if outcome == "aborted":
+                # The client went away mid-stream (the server cancelled this generator).
+                await self.deps.dispatcher.cancel(exchange.request_id)
+            self.deps.usage.record(exchange.record(outcome))
+
+    def _account(self, exchange: _Exchange, output: Any) -> None:
+        if exchange.first_token_s is None and output.new_token_ids:
+            exchange.first_token_s = time.monotonic()
+        exchange.num_prompt_tokens = output.num_prompt_tokens
+        exchange.num_completion_tokens = output.num_output_tokens
+
+    async def _finish_aborted(self, exchange: _Exchange) -> None:
+        await self.deps.dispatcher.cancel(exchange.request_id)
+        self.deps.usage.record(exchange.record("aborted"))
+
+    async def _unless_disconnected(self, request: Request, work: Awaitable[T]) -> T:
+        """Await work, but give up (ClientDisconnectedError) if the client disconnects."""
+        work_task = asyncio.ensure_future(work)
+        watch_task = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch_task.cancel()
+        if work_task.done():
+            return work_task.result()
+        work_task.cancel()
+        raise ClientDisconnectedError()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    # The body has been read, so the next message can only be the disconnect.
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _next_or_none(outputs: AsyncIterator[Any]) -> Any:
+    try:
+        return await anext(outputs)
+    except StopAsyncIteration:
+        return None
+
+
+def _finish_reason(output: Any) -> str | None:
+    reason = output.finish_reason
+    return None if reason is None else str(reason)
+
+
+def _job(
+    request_id: str,
+    principal: Principal,
+    tier: TierPolicy,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    arrival_s: float,
+    options: GenerationOptions,
+) -> Job:
+    deadline_s = None
+    if tier.completion_window_s is not None:
+        deadline_s = arrival_s + tier.completion_window_s
+    metadata = {"user": options.user} if options.user else {}
+    return Job(
+        job_id=request_id,
+        tenant_id=principal.tenant_id,
+        tier=tier.name,
+        rank=tier.rank,
+        weight=principal.weight,
+        prompt_token_ids=tuple(prompt_ids),
+        params=params,
+        arrival_s=arrival_s,
+        ttft_slo_ms=tier.ttft_slo_ms,
+        tpot_slo_ms=tier.tpot_slo_ms,
+        max_queue_ms=tier.max_queue_ms,
+        deadline_s=deadline_s,
+        preemptible=tier.preemptible,
+        metadata=metadata,
+    )

@@ -1,0 +1,202 @@
+"""A live tiergate server for the HTTP tests: real uvicorn on a free port, in a thread.
+
+One server per database (SQLite file, then a fresh PostgreSQL database) per test module,
+not per test, so the suites stay fast. The server is the real composition root
+(`build_app`) with the built-in tiny-random model; tenants and keys are created through
+the real admin API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+POSTGRES_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/test"
+TEST_MAX_MODEL_LEN = 256
+TEST_MAX_BODY_BYTES = 64 * 1024
+TIERS = ("priority", "interactive", "batch")
+
+
+@dataclass
+class LiveServer:
+    base_url: str
+    admin_token: str
+    database_url: str
+    engine: Any  # the AsyncEngine the server runs (tests read its stats)
+    max_model_len: int = TEST_MAX_MODEL_LEN
+    max_body_bytes: int = TEST_MAX_BODY_BYTES
+    keys: dict[str, str] = field(default_factory=dict)  # tier -> API key of a tenant
+    tenant_ids: dict[str, str] = field(default_factory=dict)  # tier -> tenant id
+    suspended_key: str = ""
+
+    def client(self, key: str | None = None, **kwargs: Any) -> openai.OpenAI:
+        """The official client, without retries (a retry would hide the first answer)."""
+        return openai.OpenAI(
+            base_url=f"{self.base_url}/v1",
+            api_key=key if key is not None else self.keys["interactive"],
+            max_retries=0,
+            timeout=60,
+            **kwargs,
+        )
+
+    def admin(self) -> httpx.Client:
+        return httpx.Client(
+            base_url=f"{self.base_url}/admin/v1",
+            headers={"authorization": f"Bearer {self.admin_token}"},
+            timeout=30,
+        )
+
+
+def _in_thread(coro_fn: Any) -> Any:
+    out: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            out["value"] = asyncio.run(coro_fn())
+        except BaseException as exc:
+            out["error"] = exc
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
+
+
+def _postgres(statement: str) -> None:
+    import asyncpg
+
+    async def run() -> None:
+        connection = await asyncpg.connect(POSTGRES_ADMIN_URL, timeout=10)
+        try:
+            await connection.execute(statement)
+        finally:
+            await connection.close()
+
+    _in_thread(run)
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def live_database_url(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[str]:
+    """A database of this module's own: a SQLite file, or a fresh PostgreSQL database."""
+    if request.param == "sqlite":
+        path = tmp_path_factory.mktemp("live-sqlite") / "tiergate.db"
+        yield f"sqlite+aiosqlite:///{path}"
+        return
+    name = f"tg_live_{uuid.uuid4().hex[:16]}"
+    _postgres(f'CREATE DATABASE "{name}"')
+    try:
+        yield f"postgresql+asyncpg://postgres@127.0.0.1:5432/{name}"
+    finally:
+        _postgres(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+class ServerThread:
+    """uvicorn serving an app on an already-bound socket, in a background thread."""
+
+    def __init__(self, app: Any) -> None:
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind(("127.0.0.1", 0))
+        self.port = self._socket.getsockname()[1]
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self._socket]}, daemon=True
+        )
+
+    def start(self, timeout_s: float = 120.0) -> None:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError("the server thread exited during startup")
+            if time.monotonic() > deadline:
+                raise TimeoutError("the server did not start")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=60)
+        self._socket.close()
+
+
+def build_test_engine() -> Any:
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+
+    return AsyncEngine(
+        EngineConfig(
+            model="tiny-random",
+            device="cpu",
+            max_model_len=TEST_MAX_MODEL_LEN,
+            kv_cache_bytes=16 * 2**20,
+        )
+    )
+
+
+def _create_tenants(server: LiveServer) -> None:
+    with server.admin() as admin:
+        for tier in TIERS:
+            tenant = admin.post("/tenants", json={"name": f"live-{tier}", "tier": tier})
+            tenant.raise_for_status()
+            key = admin.post(f"/tenants/{tenant.json()['id']}/keys", json={})
+            key.raise_for_status()
+            server.keys[tier] = key.json()["secret"]
+            server.tenant_ids[tier] = tenant.json()["id"]
+        tenant = admin.post("/tenants", json={"name": "live-suspended", "tier": "interactive"})
+        tenant.raise_for_status()
+        tenant_id = tenant.json()["id"]
+        key = admin.post(f"/tenants/{tenant_id}/keys", json={})
+        key.raise_for_status()
+        admin.patch(f"/tenants/{tenant_id}", json={"status": "suspended"}).raise_for_status()
+        server.suspended_key = key.json()["secret"]
+
+
+@pytest.fixture(scope="module")
+def live_server(live_database_url: str, tmp_path_factory) -> Iterator[LiveServer]:
+    """A running server on this module's database, with one tenant per tier."""
+    from gateway.app import build_app
+    from gateway.migrate import upgrade_to_head
+    from gateway.settings import Settings
+
+    if not live_database_url.startswith("sqlite"):
+        upgrade_to_head(live_database_url)  # an operator runs `tiergate migrate`
+    data_dir: Path = tmp_path_factory.mktemp("live-data")
+    settings = Settings(
+        data_dir=data_dir,
+        database_url=live_database_url,
+        admin_token=secrets.token_urlsafe(24),
+        model="tiny-random",
+        device="cpu",
+        max_body_bytes=TEST_MAX_BODY_BYTES,
+        usage_flush_interval_s=0.05,
+    )
+    engine = build_test_engine()
+    thread = ServerThread(build_app(settings, engine=engine))
+    thread.start()
+    server = LiveServer(
+        base_url=f"http://127.0.0.1:{thread.port}",
+        admin_token=settings.admin_token or "",
+        database_url=live_database_url,
+        engine=engine,
+    )
+    try:
+        _create_tenants(server)
+        yield server
+    finally:
+        thread.stop()

@@ -1,0 +1,187 @@
+"""Every bad request gets the OpenAI error shape, the right status and x-request-id.
+
+Through the official client where it can send the request (so each error surfaces as the
+client's own exception class), through raw HTTP where it cannot (bad bytes, huge bodies).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import openai
+import pytest
+
+if TYPE_CHECKING:
+    from tests.gateway.conftest import LiveServer
+
+MODEL = "tiny-random"
+
+
+def _assert_error_shape(response: httpx.Response, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    assert response.headers["x-request-id"].startswith("req_")
+    assert response.headers["content-type"].startswith("application/json")
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    return error
+
+
+@pytest.mark.parametrize(
+    "authorization",
+    [None, "Bearer", "Basic dXNlcjpwYXNz", "Bearer sk-not-ours", "Bearer tg-" + "A" * 43],
+    ids=["missing", "no-key", "basic", "foreign", "unknown"],
+)
+def test_bad_keys_are_401(live_server: LiveServer, authorization: str | None) -> None:
+    headers = {} if authorization is None else {"authorization": authorization}
+    response = httpx.post(
+        f"{live_server.base_url}/v1/completions",
+        headers=headers,
+        json={"model": MODEL, "prompt": "x"},
+    )
+    error = _assert_error_shape(response, 401)
+    assert error["type"] == "authentication_error"
+
+
+def test_client_raises_authentication_and_permission_errors(live_server: LiveServer) -> None:
+    with pytest.raises(openai.AuthenticationError):
+        live_server.client("tg-" + "B" * 43).models.list()
+    with pytest.raises(openai.PermissionDeniedError) as suspended:
+        live_server.client(live_server.suspended_key).completions.create(
+            model=MODEL, prompt="x", max_tokens=2
+        )
+    assert suspended.value.code == "tenant_suspended"
+
+
+def test_revoked_key_stops_working_at_once(live_server: LiveServer) -> None:
+    with live_server.admin() as admin:
+        tenant_id = live_server.tenant_ids["batch"]
+        created = admin.post(f"/tenants/{tenant_id}/keys", json={}).json()
+        client = live_server.client(created["secret"])
+        assert client.models.list().data
+        admin.delete(f"/keys/{created['id']}").raise_for_status()
+    with pytest.raises(openai.AuthenticationError):
+        client.models.list()
+
+
+def test_unknown_model_is_404_model_not_found(live_server: LiveServer) -> None:
+    client = live_server.client()
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="gpt-9", prompt="x", max_tokens=2)
+    assert info.value.code == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(
+            model="gpt-9", messages=[{"role": "user", "content": "x"}], max_tokens=2
+        )
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
+
+
+def test_context_length_exceeded(live_server: LiveServer) -> None:
+    client = live_server.client()
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="hello", max_tokens=live_server.max_model_len)
+    assert info.value.code == "context_length_exceeded"
+    assert str(live_server.max_model_len) in info.value.message
+    with pytest.raises(openai.BadRequestError) as chat:
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "word " * live_server.max_model_len}],
+            max_completion_tokens=4,
+        )
+    assert chat.value.code == "context_length_exceeded"
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"temperature": 2.5}, "temperature"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.01}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 3}, "n"),
+        ({"max_tokens": "many"}, "max_tokens"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"prompt": ["one", "two"]}, "prompt"),
+        ({"prompt": [10**9]}, "prompt"),
+        ({"model": None}, "model"),
+    ],
+)
+def test_bad_values_are_400_naming_the_param(
+    live_server: LiveServer, extra: dict[str, Any], param: str
+) -> None:
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2, **extra}
+    response = httpx.post(
+        f"{live_server.base_url}/v1/completions",
+        headers={"authorization": f"Bearer {live_server.keys['interactive']}"},
+        json=body,
+    )
+    error = _assert_error_shape(response, 400)
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+
+
+def test_client_raises_bad_request_for_bad_chat_messages(live_server: LiveServer) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        live_server.client().chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+        )
+    assert info.value.param == "messages[0].content[0]"
+
+
+@pytest.mark.parametrize(
+    ("raw", "code"),
+    [
+        (b'{"model": "tiny-random", "prompt": "x"', "invalid_json"),
+        (b'{"model": "tiny-random", "prompt": "\xff\xfe"}', "invalid_utf8"),
+        (b"[]", "invalid_json"),
+        (b"", None),
+    ],
+)
+def test_undecodable_bodies_are_400(live_server: LiveServer, raw: bytes, code: str | None) -> None:
+    response = httpx.post(
+        f"{live_server.base_url}/v1/chat/completions",
+        headers={
+            "authorization": f"Bearer {live_server.keys['interactive']}",
+            "content-type": "application/json",
+        },
+        content=raw,
+    )
+    error = _assert_error_shape(response, 400)
+    assert error["code"] == code
+
+
+def test_body_over_the_limit_is_413(live_server: LiveServer) -> None:
+    headers = {"authorization": f"Bearer {live_server.keys['interactive']}"}
+    body = {"model": MODEL, "prompt": "x" * (live_server.max_body_bytes + 1)}
+    declared = httpx.post(f"{live_server.base_url}/v1/completions", headers=headers, json=body)
+    assert _assert_error_shape(declared, 413)["code"] == "request_too_large"
+
+    def chunks():  # no content-length: the limit is enforced while reading
+        yield b'{"model": "tiny-random", "prompt": "'
+        for _ in range(live_server.max_body_bytes // 1024 + 1):
+            yield b"y" * 1024
+        yield b'"}'
+
+    streamed = httpx.post(
+        f"{live_server.base_url}/v1/completions", headers=headers, content=chunks()
+    )
+    assert _assert_error_shape(streamed, 413)["code"] == "request_too_large"
+    with pytest.raises(openai.APIStatusError) as info:
+        live_server.client().completions.create(model=MODEL, prompt=body["prompt"], max_tokens=2)
+    assert info.value.status_code == 413
+
+
+def test_unknown_paths_and_methods(live_server: LiveServer) -> None:
+    missing = httpx.get(f"{live_server.base_url}/v1/nothing-here")
+    assert _assert_error_shape(missing, 404)["code"] == "unknown_url"
+    wrong = httpx.get(f"{live_server.base_url}/v1/completions")
+    assert _assert_error_shape(wrong, 405)["code"] == "method_not_allowed"
+
+
+def test_admin_api_without_the_token_is_401(live_server: LiveServer) -> None:
+    response = httpx.get(f"{live_server.base_url}/admin/v1/tenants")
+    _assert_error_shape(response, 401)

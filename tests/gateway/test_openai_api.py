@@ -1,0 +1,238 @@
+"""The official openai client against a live server: completions, chat, streaming, usage."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+import httpx
+import openai
+import pytest
+from sqlalchemy import select
+
+from gateway.db.models import UsageRow
+from gateway.db.session import create_db_engine, create_sessionmaker
+
+if TYPE_CHECKING:
+    from tests.gateway.conftest import LiveServer
+
+MODEL = "tiny-random"
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Say something."},
+]
+
+
+def test_models_lists_the_served_model(live_server: LiveServer) -> None:
+    models = live_server.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert live_server.client().models.retrieve(MODEL).id == MODEL
+
+
+def test_chat_completion_counts_usage(live_server: LiveServer) -> None:
+    raw = live_server.client().chat.completions.with_raw_response.create(
+        model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0
+    )
+    assert raw.headers["x-request-id"].startswith("req_")
+    reply = raw.parse()
+    assert reply.object == "chat.completion"
+    assert reply.id == "chatcmpl-" + raw.headers["x-request-id"].removeprefix("req_")
+    assert reply.service_tier == "interactive"
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant"
+    assert isinstance(choice.message.content, str)
+    expected_prompt = live_server.engine.tokenizer.apply_chat_template(MESSAGES)
+    assert reply.usage.prompt_tokens == len(expected_prompt)
+    assert 1 <= reply.usage.completion_tokens <= 6
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+    if choice.finish_reason == "length":
+        assert reply.usage.completion_tokens == 6
+    else:
+        assert choice.finish_reason == "stop"
+
+
+def test_text_completion_greedy_is_deterministic(live_server: LiveServer) -> None:
+    client = live_server.client()
+    first = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=5, temperature=0)
+    again = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=5, temperature=0)
+    assert first.object == "text_completion"
+    assert first.choices[0].text == again.choices[0].text
+    assert first.usage.prompt_tokens == len(live_server.engine.tokenizer.encode("Once upon"))
+    assert first.choices[0].finish_reason in ("stop", "length")
+
+
+def test_seeded_sampling_repeats_and_token_id_prompts_work(live_server: LiveServer) -> None:
+    client = live_server.client()
+    ids = live_server.engine.tokenizer.encode("hello there")
+    texts = {
+        client.completions.create(
+            model=MODEL, prompt=ids, max_tokens=5, temperature=1.0, top_p=0.9, seed=1234
+        )
+        .choices[0]
+        .text
+        for _ in range(2)
+    }
+    assert len(texts) == 1
+    by_text = client.completions.create(
+        model=MODEL, prompt="hello there", max_tokens=5, temperature=1.0, top_p=0.9, seed=1234
+    )
+    assert by_text.choices[0].text in texts
+
+
+def test_stop_string_truncates_and_finishes_with_stop(live_server: LiveServer) -> None:
+    client = live_server.client()
+    full = client.completions.create(model=MODEL, prompt="abc", max_tokens=12, temperature=0)
+    text = full.choices[0].text
+    candidates = [c for c in text[1:] if c.strip()]
+    if not candidates:
+        pytest.skip("greedy output has no printable character to stop on")
+    stop = candidates[0]
+    cut = client.completions.create(
+        model=MODEL, prompt="abc", max_tokens=12, temperature=0, stop=[stop]
+    )
+    assert cut.choices[0].text == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_chat_stream_with_usage_matches_the_whole_reply(live_server: LiveServer) -> None:
+    client = live_server.client()
+    whole = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert len({c.id for c in chunks}) == 1
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert reasons[-1] == whole.choices[0].finish_reason
+    assert all(r is None for r in reasons[:-1])
+    *body, last = chunks
+    assert last.choices == []
+    assert last.usage is not None
+    assert last.usage.completion_tokens == whole.usage.completion_tokens
+    assert last.usage.prompt_tokens == whole.usage.prompt_tokens
+    assert all(c.usage is None for c in body)
+
+
+def test_text_stream_without_usage_ends_with_done(live_server: LiveServer) -> None:
+    with httpx.stream(
+        "POST",
+        f"{live_server.base_url}/v1/completions",
+        headers={"authorization": f"Bearer {live_server.keys['batch']}"},
+        json={"model": MODEL, "prompt": "x", "max_tokens": 4, "stream": True},
+        timeout=60,
+    ) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        assert response.headers["x-request-id"].startswith("req_")
+        events = [line for line in response.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    assert all(e.startswith("data: ") for e in events)
+    assert all('"usage"' not in e for e in events[:-1])
+    assert '"service_tier":"batch"' in events[0]
+
+
+def test_service_tier_may_only_go_down(live_server: LiveServer) -> None:
+    client = live_server.client(live_server.keys["interactive"])
+    lower = client.completions.create(
+        model=MODEL, prompt="x", max_tokens=2, extra_body={"service_tier": "batch"}
+    )
+    assert lower.service_tier == "batch"
+    same = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=2, service_tier="auto"
+    )
+    assert same.service_tier == "interactive"
+    with pytest.raises(openai.PermissionDeniedError) as denied:
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=2, service_tier="priority"
+        )
+    assert denied.value.code == "tier_not_allowed"
+    with pytest.raises(openai.BadRequestError) as unknown:
+        client.completions.create(
+            model=MODEL, prompt="x", max_tokens=2, extra_body={"service_tier": "gold"}
+        )
+    assert unknown.value.param == "service_tier"
+
+
+def _usage_rows(database_url: str, request_ids: list[str]) -> dict[str, UsageRow]:
+    async def read() -> dict[str, UsageRow]:
+        engine = create_db_engine(database_url)
+        try:
+            async with create_sessionmaker(engine)() as session:
+                rows = await session.scalars(
+                    select(UsageRow).where(UsageRow.request_id.in_(request_ids))
+                )
+                return {row.request_id: row for row in rows}
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(read())
+
+
+def _wait_for_usage(database_url: str, request_ids: list[str]) -> dict[str, UsageRow]:
+    deadline = time.monotonic() + 10
+    while True:
+        rows = _usage_rows(database_url, request_ids)
+        if len(rows) == len(request_ids) or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.1)
+
+
+def test_every_request_leaves_a_usage_record(live_server: LiveServer) -> None:
+    client = live_server.client(live_server.keys["priority"])
+    ok = client.completions.with_raw_response.create(model=MODEL, prompt="hi", max_tokens=3)
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=3, temperature=9)
+    ok_id = ok.headers["x-request-id"]
+    bad_id = bad.value.response.headers["x-request-id"]
+    rows = _wait_for_usage(live_server.database_url, [ok_id, bad_id])
+    good = rows[ok_id]
+    assert good.outcome == "ok"
+    assert good.tenant_id == live_server.tenant_ids["priority"]
+    assert (good.tier, good.model) == ("priority", MODEL)
+    assert good.prompt_tokens == ok.parse().usage.prompt_tokens
+    assert good.completion_tokens == ok.parse().usage.completion_tokens
+    assert good.ttft_ms is not None
+    assert good.queue_wait_ms is not None
+    assert 0 <= good.queue_wait_ms <= good.ttft_ms <= good.e2e_ms
+    assert rows[bad_id].outcome == "rejected:invalid_request_error"
+
+
+def test_client_disconnect_aborts_and_frees_the_engine(live_server: LiveServer) -> None:
+    headers = {"authorization": f"Bearer {live_server.keys['interactive']}"}
+    body = {"model": MODEL, "prompt": "go", "max_tokens": 200, "stream": True, "temperature": 1}
+    with httpx.stream(
+        "POST", f"{live_server.base_url}/v1/completions", headers=headers, json=body, timeout=60
+    ) as response:
+        request_id = response.headers["x-request-id"]
+        next(response.iter_lines())  # one event, then hang up
+    rows = _wait_for_usage(live_server.database_url, [request_id])
+    assert rows[request_id].outcome == "aborted"
+    assert rows[request_id].completion_tokens < 200
+    deadline = time.monotonic() + 5
+    while live_server.engine.stats().num_running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stats = live_server.engine.stats()
+    assert stats.num_running == 0
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_health_and_readiness(live_server: LiveServer) -> None:
+    health = httpx.get(f"{live_server.base_url}/healthz")
+    assert health.status_code == 200
+    assert health.headers["x-request-id"]
+    ready = httpx.get(f"{live_server.base_url}/readyz")
+    assert ready.status_code == 200
+    assert ready.json()["checks"] == {"database": "ok", "queue": "ok", "worker": "ok"}
