@@ -6,6 +6,7 @@ helm/tiergate/ci/ (scale-out, existing Secret, CPU-only).
 
 from __future__ import annotations
 
+import base64
 import re
 from pathlib import Path
 
@@ -357,8 +358,6 @@ def test_admin_token_is_generated_when_unset(helm: Helm) -> None:
 
 
 def _decoded(secret: dict) -> dict[str, str]:
-    import base64
-
     return {key: base64.b64decode(value).decode() for key, value in secret["data"].items()}
 
 
