@@ -10,6 +10,7 @@ tier that stayed backlogged through the measurement window.
 from __future__ import annotations
 
 import math
+from array import array
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -140,33 +141,86 @@ class RunStats:
         return asdict(self)
 
 
-def tier_stats(records: Sequence[RequestRecord], tier: str, duration_s: float) -> TierStats:
-    mine = [r for r in records if r.request.tier == tier]
-    admitted = [r for r in mine if r.rejected_code is None or r.rejected_code == "queue_timeout"]
-    finished = [r for r in mine if r.is_finished]
-    met = [r for r in finished if r.met_slo]
-    rejections: dict[str, int] = defaultdict(int)
-    for r in mine:
-        if r.rejected_code is not None:
-            rejections[r.rejected_code] += 1
-    ttfts = [r.ttft_s * 1000 for r in finished if r.ttft_s is not None]
-    tpots = [r.tpot_s * 1000 for r in finished if r.tpot_s is not None]
-    return TierStats(
-        tier=tier,
-        num_offered=len(mine),
-        num_admitted=len(admitted),
-        num_finished=len(finished),
-        num_met_slo=len(met),
-        attainment=len(met) / len(mine) if mine else None,
-        admitted_attainment=len(met) / len(admitted) if admitted else None,
-        goodput_per_s=len(met) / duration_s if duration_s > 0 else 0.0,
-        ttft_p50_ms=percentile(ttfts, 50),
-        ttft_p99_ms=percentile(ttfts, 99),
-        tpot_p50_ms=percentile(tpots, 50),
-        tpot_p99_ms=percentile(tpots, 99),
-        rejections=dict(rejections),
-        num_unfinished=sum(1 for r in admitted if not r.is_finished and r.rejected_code is None),
-    )
+class Collector:
+    """Aggregates request fates as they happen, so that a simulated hour of millions of
+    requests keeps only numbers (and, on request, the records themselves)."""
+
+    def __init__(self, *, keep_records: bool = False) -> None:
+        self.keep_records = keep_records
+        self.records: list[RequestRecord] = []
+        self._offered: dict[str, int] = defaultdict(int)
+        self._refused: dict[str, int] = defaultdict(int)  # at admission (never queued)
+        self._finished: dict[str, int] = defaultdict(int)
+        self._met: dict[str, int] = defaultdict(int)
+        self._rejections: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self._ttft_ms: dict[str, array[float]] = defaultdict(lambda: array("d"))
+        self._tpot_ms: dict[str, array[float]] = defaultdict(lambda: array("d"))
+        self.num_output_tokens = 0
+        self.num_preemptions = 0
+        self.num_recomputed_tokens = 0
+
+    def offered(self, request: SimRequest) -> None:
+        self._offered[request.tier] += 1
+
+    def refused(self, record: RequestRecord, code: str) -> None:
+        """Refused at admission (rate limit, SLO unattainable, queue full)."""
+        record.rejected_code = code
+        self._refused[record.request.tier] += 1
+        self._rejections[record.request.tier][code] += 1
+        self._keep(record)
+
+    def dropped(self, record: RequestRecord, code: str) -> None:
+        """Admitted, then dropped before it ran (queue timeout)."""
+        record.rejected_code = code
+        self._rejections[record.request.tier][code] += 1
+        self._keep(record)
+
+    def finished(self, record: RequestRecord) -> None:
+        tier = record.request.tier
+        self._finished[tier] += 1
+        if record.met_slo:
+            self._met[tier] += 1
+        ttft, tpot = record.ttft_s, record.tpot_s
+        if ttft is not None:
+            self._ttft_ms[tier].append(ttft * 1000)
+        if tpot is not None and record.request.num_output_tokens > 1:
+            self._tpot_ms[tier].append(tpot * 1000)
+        self._keep(record)
+
+    def _keep(self, record: RequestRecord) -> None:
+        if self.keep_records:
+            self.records.append(record)
+
+    def tiers(self) -> list[str]:
+        return sorted(self._offered)
+
+    def tier_stats(self, tier: str, duration_s: float) -> TierStats:
+        offered = self._offered[tier]
+        admitted = offered - self._refused[tier]
+        met = self._met[tier]
+        ttfts, tpots = self._ttft_ms[tier], self._tpot_ms[tier]
+        return TierStats(
+            tier=tier,
+            num_offered=offered,
+            num_admitted=admitted,
+            num_finished=self._finished[tier],
+            num_met_slo=met,
+            attainment=met / offered if offered else None,
+            admitted_attainment=met / admitted if admitted else None,
+            goodput_per_s=met / duration_s if duration_s > 0 else 0.0,
+            ttft_p50_ms=percentile(ttfts, 50),
+            ttft_p99_ms=percentile(ttfts, 99),
+            tpot_p50_ms=percentile(tpots, 50),
+            tpot_p99_ms=percentile(tpots, 99),
+            rejections=dict(self._rejections[tier]),
+            num_unfinished=admitted
+            - self._finished[tier]
+            - sum(n for c, n in self._rejections[tier].items() if c in _DROP_CODES),
+        )
+
+
+# Codes of admitted requests that never ran (the rest are refusals at admission).
+_DROP_CODES = frozenset({"queue_timeout", "invalid_request"})
 
 
 def fairness_stats(

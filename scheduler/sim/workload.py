@@ -8,8 +8,10 @@ exactly the same arrivals.
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 
@@ -60,6 +62,7 @@ class TierSpec:
     preemptible: bool = False
     max_queue_ms: float | None = None
     completion_window_s: float | None = None
+    max_queued_jobs: int | None = None  # the queue refuses (queue_full) past this
     prompt_len: LengthDist = field(default_factory=LengthDist)
     output_len: LengthDist = field(default_factory=LengthDist)
 
@@ -142,7 +145,7 @@ class WorkloadSpec:
         return replace(self, rate_per_s=rate_per_s)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SimRequest:
     """One arrival: everything the queue and the engine need, with lengths drawn."""
 
@@ -169,60 +172,63 @@ def _multiplier(spec: WorkloadSpec, t_s: float) -> float:
     return m
 
 
-def generate(spec: WorkloadSpec) -> list[SimRequest]:
-    """All arrivals of the workload, sorted by time.
+def _tenant_stream(spec: WorkloadSpec, tenant: TenantSpec, tier: TierSpec) -> Iterator[SimRequest]:
+    total_share = sum(t.load_share for t in spec.tenants)
+    rate = spec.rate_per_s * tenant.load_share / total_share
+    if rate <= 0:
+        return
+    peak = max([1.0] + [s.multiplier for s in spec.surges])
+    rng = random.Random(f"{spec.seed}:{tenant.tenant_id}")
+    peak_rate = rate * peak
+    cv = spec.burstiness_cv if spec.arrival == "gamma" else 1.0
+    shape = 1.0 / (cv * cv)
+    t = 0.0
+    n = 0
+    while True:
+        if cv == 1.0:
+            t += rng.expovariate(peak_rate)
+        else:
+            t += rng.gammavariate(shape, 1.0 / (shape * peak_rate))
+        if t >= spec.duration_s:
+            return
+        if peak > 1.0 and rng.random() * peak > _multiplier(spec, t):
+            continue
+        if not tenant.is_on(t):
+            continue
+        n += 1
+        yield SimRequest(
+            request_id=f"{tenant.tenant_id}-{n}",
+            arrival_s=t,
+            tenant_id=tenant.tenant_id,
+            tier=tier.name,
+            rank=tier.rank,
+            weight=tenant.weight,
+            num_prompt_tokens=tier.prompt_len.sample(rng),
+            num_output_tokens=tier.output_len.sample(rng),
+            ttft_slo_ms=tier.ttft_slo_ms,
+            tpot_slo_ms=tier.tpot_slo_ms,
+            preemptible=tier.preemptible,
+            max_queue_ms=tier.max_queue_ms,
+            deadline_s=t + tier.completion_window_s if tier.completion_window_s else None,
+        )
+
+
+def iter_requests(spec: WorkloadSpec) -> Iterator[SimRequest]:
+    """All arrivals of the workload in time order, drawn lazily (an hour at 1,000
+    requests/s need not sit in memory).
 
     Each tenant has its own arrival stream (rate = total × its share) so that on/off
     windows and surges thin it without shifting anyone else's arrivals; surges and
     windows are applied by thinning a stream drawn at the peak rate.
     """
-    total_share = sum(t.load_share for t in spec.tenants)
-    peak = max([1.0] + [s.multiplier for s in spec.surges])
     tiers = {t.name: t for t in spec.tiers}
-    out: list[SimRequest] = []
-    for tenant in spec.tenants:
-        rate = spec.rate_per_s * tenant.load_share / total_share
-        if rate <= 0:
-            continue
-        tier = tiers[tenant.tier]
-        trng = random.Random(f"{spec.seed}:{tenant.tenant_id}")
-        t = 0.0
-        peak_rate = rate * peak
-        cv = spec.burstiness_cv if spec.arrival == "gamma" else 1.0
-        shape = 1.0 / (cv * cv)
-        n = 0
-        while True:
-            if cv == 1.0:
-                t += trng.expovariate(peak_rate)
-            else:
-                t += trng.gammavariate(shape, 1.0 / (shape * peak_rate))
-            if t >= spec.duration_s:
-                break
-            if peak > 1.0 and trng.random() * peak > _multiplier(spec, t):
-                continue
-            if not tenant.is_on(t):
-                continue
-            n += 1
-            deadline = t + tier.completion_window_s if tier.completion_window_s else None
-            out.append(
-                SimRequest(
-                    request_id=f"{tenant.tenant_id}-{n}",
-                    arrival_s=t,
-                    tenant_id=tenant.tenant_id,
-                    tier=tier.name,
-                    rank=tier.rank,
-                    weight=tenant.weight,
-                    num_prompt_tokens=tier.prompt_len.sample(trng),
-                    num_output_tokens=tier.output_len.sample(trng),
-                    ttft_slo_ms=tier.ttft_slo_ms,
-                    tpot_slo_ms=tier.tpot_slo_ms,
-                    preemptible=tier.preemptible,
-                    max_queue_ms=tier.max_queue_ms,
-                    deadline_s=deadline,
-                )
-            )
-    out.sort(key=lambda r: (r.arrival_s, r.request_id))
-    return out
+    streams = [_tenant_stream(spec, tenant, tiers[tenant.tier]) for tenant in spec.tenants]
+    return heapq.merge(*streams, key=lambda r: (r.arrival_s, r.request_id))
+
+
+def generate(spec: WorkloadSpec) -> list[SimRequest]:
+    """All arrivals of the workload, sorted by time (see iter_requests)."""
+    return list(iter_requests(spec))
 
 
 # ---- the standard mixes ----------------------------------------------------------------

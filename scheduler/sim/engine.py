@@ -1,0 +1,186 @@
+"""One simulated engine: the real step scheduler and block manager, a cost-model runner.
+
+The runner does what the model runner does to the scheduler's state (append one token
+per chunk that produces one, finish requests at max_tokens) and nothing else; instead of
+running the model it returns the step's duration from the roofline. The step scheduler's
+online cost model is fed the simulated step times, as the real engine feeds it measured
+ones, so the TPOT-keeping prefill budget behaves as in production.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.block_manager import BlockManager
+from engine.cost_model import StepCostModel
+from engine.request import FinishReason, Priority, Request, SamplingParams
+from engine.step_scheduler import SchedulerConfig, StepPlan, StepScheduler
+from scheduler.sim.cost_model import RooflineParams
+
+# Prompts are token id 1 repeated (all prompts alike would only matter to the prefix
+# cache, which the simulator turns off: sharing is a property of real text).
+_PROMPTS: dict[int, tuple[int, ...]] = {}
+
+
+def _prompt(num_tokens: int) -> list[int]:
+    tokens = _PROMPTS.get(num_tokens)
+    if tokens is None:
+        tokens = _PROMPTS[num_tokens] = (1,) * num_tokens
+    return list(tokens)
+
+
+@dataclass(frozen=True)
+class EngineMode:
+    """How a policy uses the engine: `use_ranks` False makes every request rank 0 (FCFS
+    and VTC know no tiers); `rank_preemption` False preempts only under KV pressure.
+
+    The step scheduler only ever preempts for rank a running request marked preemptible,
+    while KV-pressure preemption ignores the mark; so marking every request
+    non-preemptible is exactly "preempt only on KV pressure", with no engine switch.
+    """
+
+    use_ranks: bool = True
+    rank_preemption: bool = True
+
+
+@dataclass
+class StepOutcome:
+    """What one step did, for the fleet's bookkeeping."""
+
+    first_tokens: list[Request]
+    finished: list[Request]
+    output_tokens: list[Request]  # one entry per token produced
+    preempted: list[Request]
+    num_recomputed_tokens: int
+
+
+def scheduler_config(params: RooflineParams, max_model_len: int) -> SchedulerConfig:
+    """The step scheduler limits a preset describes."""
+    return SchedulerConfig(
+        max_num_seqs=params.max_num_seqs,
+        max_num_batched_tokens=params.max_num_batched_tokens,
+        max_prefill_chunk_tokens=params.max_prefill_chunk_tokens or params.max_num_batched_tokens,
+        max_model_len=max_model_len,
+    )
+
+
+class SimEngine:
+    """A step scheduler on a virtual clock; `start_step` plans, `end_step` applies it."""
+
+    def __init__(
+        self,
+        engine_id: str,
+        params: RooflineParams,
+        mode: EngineMode,
+        clock: list[float],
+        *,
+        max_model_len: int = 16384,
+    ) -> None:
+        self.engine_id = engine_id
+        self.params = params
+        self.mode = mode
+        self._clock = clock  # the fleet's clock, one shared cell
+        self.block_manager = BlockManager(
+            params.num_kv_blocks, params.block_size, enable_prefix_caching=False
+        )
+        self.cost_model = StepCostModel()
+        self.scheduler = StepScheduler(
+            scheduler_config(params, max_model_len),
+            self.block_manager,
+            cost_model=self.cost_model,
+            clock=lambda: clock[0],
+        )
+        self._plan: StepPlan | None = None
+        self.is_stepping = False
+        self.num_steps = 0
+        self.busy_s = 0.0
+        # Highest computed position per request: tokens below it run again after a
+        # preemption and count as recomputed.
+        self._high_water: dict[str, int] = {}
+
+    def can_accept(self, rank: int | None = None) -> bool:
+        return self.scheduler.can_accept(rank if self.mode.use_ranks else None)
+
+    @property
+    def num_requests(self) -> int:
+        return self.scheduler.num_running + self.scheduler.num_waiting
+
+    def add(
+        self,
+        request_id: str,
+        *,
+        num_prompt_tokens: int,
+        num_output_tokens: int,
+        rank: int,
+        tenant: str,
+        arrival_s: float,
+        ttft_slo_ms: float | None,
+        tpot_slo_ms: float | None,
+        preemptible: bool,
+    ) -> Request:
+        priority = Priority(
+            rank=rank if self.mode.use_ranks else 0,
+            tenant=tenant,
+            arrival_s=arrival_s,
+            ttft_slo_ms=ttft_slo_ms,
+            tpot_slo_ms=tpot_slo_ms,
+            preemptible=preemptible and self.mode.use_ranks and self.mode.rank_preemption,
+        )
+        request = Request(
+            request_id,
+            _prompt(num_prompt_tokens),
+            SamplingParams(max_tokens=num_output_tokens, ignore_eos=True),
+            priority,
+        )
+        self.scheduler.add(request)
+        return request
+
+    def start_step(self) -> float | None:
+        """Plan a step; its duration in seconds, or None when there is nothing to run."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            self._plan = None
+            return None
+        num_kv = 0
+        pairs = 0.0
+        for chunk in plan.chunks:
+            end = chunk.start + chunk.num_tokens
+            num_kv += end
+            pairs += chunk.num_tokens * (chunk.start + (chunk.num_tokens + 1) / 2)
+        duration_s = self.params.step_time_s(plan.num_batched_tokens, num_kv, pairs)
+        self.cost_model.observe(plan.num_batched_tokens, len(plan.chunks), duration_s)
+        self._plan = plan
+        self.is_stepping = True
+        self.num_steps += 1
+        self.busy_s += duration_s
+        return duration_s
+
+    def end_step(self) -> StepOutcome:
+        """Apply the planned step: append tokens, finish requests at their max_tokens."""
+        plan = self._plan
+        self.is_stepping = False
+        self._plan = None
+        outcome = StepOutcome([], [], [], [], 0)
+        if plan is None:
+            return outcome
+        outcome.preempted = plan.preempted
+        high_water = self._high_water
+        for chunk in plan.chunks:
+            request = chunk.request
+            end = chunk.start + chunk.num_tokens
+            seen = high_water.get(request.request_id, 0)
+            if chunk.start < seen:
+                outcome.num_recomputed_tokens += min(end, seen) - chunk.start
+            if end > seen:
+                high_water[request.request_id] = end
+            if not chunk.produces_token:
+                continue
+            request.output_token_ids.append(1)
+            outcome.output_tokens.append(request)
+            if len(request.output_token_ids) == 1:
+                outcome.first_tokens.append(request)
+            if len(request.output_token_ids) >= request.params.max_tokens:
+                self.scheduler.finish(request, FinishReason.LENGTH)
+                high_water.pop(request.request_id, None)
+                outcome.finished.append(request)
+        return outcome

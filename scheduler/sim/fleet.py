@@ -1,0 +1,341 @@
+"""The discrete-event loop: arrivals, admission, the shared queue, N engines, one clock.
+
+Events are arrivals (drawn lazily from the workload), step ends (one heap entry per busy
+engine) and periodic samples of who is backlogged. Between events nothing happens, so
+the clock jumps. An engine that ends a step pulls queued jobs while its step scheduler
+`can_accept()` (as a worker's dispatcher does), then plans its next step; an idle engine
+is woken by an arrival.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from engine.errors import InvalidRequestError
+from engine.request import SamplingParams
+from scheduler.backend import QueueFullError
+from scheduler.job import Job
+from scheduler.policy import TierConfig
+from scheduler.sim.admission import (
+    INVALID_REQUEST,
+    QUEUE_FULL,
+    QUEUE_TIMEOUT,
+    DrainRate,
+    admit,
+    predicted_wait_s,
+)
+from scheduler.sim.baselines import FcfsQueue, FleetQueue, PriorityQueue, VtcQueue
+from scheduler.sim.cost_model import RooflineParams
+from scheduler.sim.engine import EngineMode, SimEngine
+from scheduler.sim.metrics import (
+    Collector,
+    RequestRecord,
+    RunStats,
+    ServiceTrace,
+    fairness_stats,
+)
+from scheduler.sim.tiered import TieredQueue
+from scheduler.sim.workload import SimRequest, TierSpec, WorkloadSpec, iter_requests
+
+POLICIES = ("fcfs", "priority", "vtc", "tiered")
+
+
+class SimulationError(ValueError):
+    """A simulation that cannot run as asked (unknown policy, no engines...)."""
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """A queue policy plus how it uses the engine and whether the gateway admits."""
+
+    name: str
+    mode: EngineMode
+    uses_admission: bool
+
+
+def policy_spec(name: str) -> PolicySpec:
+    if name == "fcfs":
+        return PolicySpec(name, EngineMode(use_ranks=False, rank_preemption=False), False)
+    if name == "priority":
+        # vLLM's priority mode: rank order everywhere, preemption only for KV.
+        return PolicySpec(name, EngineMode(use_ranks=True, rank_preemption=False), False)
+    if name == "vtc":
+        return PolicySpec(name, EngineMode(use_ranks=False, rank_preemption=False), False)
+    if name == "tiered":
+        return PolicySpec(name, EngineMode(use_ranks=True, rank_preemption=True), True)
+    raise SimulationError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+
+
+def tier_configs(tiers: Sequence[TierSpec]) -> list[TierConfig]:
+    return [
+        TierConfig(
+            t.name,
+            t.rank,
+            min_share=t.min_share,
+            ttft_slo_ms=t.ttft_slo_ms,
+            max_queued_jobs=t.max_queued_jobs,
+        )
+        for t in tiers
+    ]
+
+
+def make_queue(name: str, tiers: Sequence[TierSpec], clock: list[float]) -> FleetQueue:
+    if name == "fcfs":
+        return FcfsQueue()
+    if name == "priority":
+        return PriorityQueue()
+    if name == "vtc":
+        return VtcQueue()
+    if name == "tiered":
+        return TieredQueue(tier_configs(tiers), clock)
+    raise SimulationError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    params: RooflineParams
+    num_engines: int = 1
+    max_model_len: int = 16384
+
+    def __post_init__(self) -> None:
+        if self.num_engines < 1:
+            raise SimulationError("a fleet needs at least one engine")
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    """drain_s: how long engines keep running after the last arrival. The fairness
+    window defaults to the middle of the arrival period (after a warm-up)."""
+
+    drain_s: float = 120.0
+    sample_interval_s: float = 1.0
+    fairness_window_s: tuple[float, float] | None = None
+    keep_records: bool = False
+    admission_headroom: float = 0.7
+    # Output tokens of the charges a worker batches before telling the queue (the real
+    # worker charges as it publishes; batching bounds the cost of simulating that).
+    charge_interval_s: float = 0.0
+
+
+@dataclass
+class SimResult:
+    policy: str
+    stats: RunStats
+    collector: Collector
+    trace: ServiceTrace
+    engines: list[SimEngine] = field(repr=False, default_factory=list)
+
+
+@dataclass(eq=False)
+class _InFlight:
+    record: RequestRecord
+    job: Job
+    pending_output_tokens: int = 0
+
+
+_PROMPTS: dict[int, tuple[int, ...]] = {}
+
+
+def _job(req: SimRequest) -> Job:
+    prompt = _PROMPTS.get(req.num_prompt_tokens)
+    if prompt is None:
+        prompt = _PROMPTS[req.num_prompt_tokens] = (1,) * req.num_prompt_tokens
+    return Job(
+        job_id=req.request_id,
+        tenant_id=req.tenant_id,
+        tier=req.tier,
+        rank=req.rank,
+        weight=req.weight,
+        prompt_token_ids=prompt,
+        params=SamplingParams(max_tokens=req.num_output_tokens, ignore_eos=True),
+        arrival_s=req.arrival_s,
+        ttft_slo_ms=req.ttft_slo_ms,
+        tpot_slo_ms=req.tpot_slo_ms,
+        max_queue_ms=req.max_queue_ms,
+        deadline_s=req.deadline_s,
+        preemptible=req.preemptible,
+    )
+
+
+def simulate(
+    workload: WorkloadSpec,
+    policy: str,
+    fleet: FleetSpec,
+    options: SimOptions | None = None,
+    *,
+    requests: Iterable[SimRequest] | None = None,
+    on_progress: Callable[[float], None] | None = None,
+) -> SimResult:
+    """Run one policy on one workload; `requests` overrides the generated arrivals."""
+    options = options or SimOptions()
+    spec = policy_spec(policy)
+    wall_start = time.perf_counter()
+    clock = [0.0]
+    queue = make_queue(policy, workload.tiers, clock)
+    tier_slo = {t.name: t.ttft_slo_ms for t in workload.tiers}
+    engines = [
+        SimEngine(f"engine-{i}", fleet.params, spec.mode, clock, max_model_len=fleet.max_model_len)
+        for i in range(fleet.num_engines)
+    ]
+    collector = Collector(keep_records=options.keep_records)
+    trace = ServiceTrace()
+    served: dict[str, float] = {}
+    queued: dict[str, RequestRecord] = {}
+    inflight: dict[str, _InFlight] = {}
+    drain = DrainRate()
+    steps: list[tuple[float, int]] = []  # (end time, engine index)
+    idle = list(range(len(engines) - 1, -1, -1))  # a stack; engine 0 is woken first
+    end_s = workload.duration_s + options.drain_s
+    next_sample_s = 0.0
+    arrivals = iter(requests) if requests is not None else iter_requests(workload)
+    upcoming = next(arrivals, None)
+    # What the queue's fair share counts: weighted input + output tokens (see policy).
+    input_weight, output_weight = 1.0, 2.0
+    window_tokens = [0]  # generated while requests still arrive (the throughput figure)
+
+    def pull(engine: SimEngine, now_s: float) -> None:
+        while len(queue) and engine.can_accept():
+            job = queue.pop(now_s)
+            if job is None:
+                break
+            record = queued.pop(job.job_id)
+            record.dispatch_s = now_s
+            req = record.request
+            try:
+                engine.add(
+                    job.job_id,
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    num_output_tokens=req.num_output_tokens,
+                    rank=job.rank,
+                    tenant=req.tenant_id,
+                    arrival_s=req.arrival_s,
+                    ttft_slo_ms=req.ttft_slo_ms,
+                    tpot_slo_ms=req.tpot_slo_ms,
+                    preemptible=req.preemptible,
+                )
+            except InvalidRequestError:
+                # Longer than the model or the KV cache: the engine refuses it outright.
+                queue.complete(job, now_s)
+                collector.dropped(record, INVALID_REQUEST)
+                continue
+            inflight[job.job_id] = _InFlight(record, job)
+            served[req.tenant_id] = served.get(req.tenant_id, 0.0) + (
+                input_weight * req.num_prompt_tokens
+            )
+            drain.add(now_s, req.num_prompt_tokens)
+        take_drops(now_s)
+
+    def take_drops(now_s: float) -> None:
+        for job_id in queue.take_dropped(now_s):
+            record = queued.pop(job_id, None)
+            if record is not None:
+                collector.dropped(record, QUEUE_TIMEOUT)
+
+    def start(index: int, now_s: float) -> None:
+        duration_s = engines[index].start_step()
+        if duration_s is None:
+            idle.append(index)
+        else:
+            heapq.heappush(steps, (now_s + duration_s, index))
+
+    def end_step(index: int, now_s: float) -> None:
+        engine = engines[index]
+        outcome = engine.end_step()
+        for request in outcome.first_tokens:
+            inflight[request.request_id].record.first_token_s = now_s
+        for request in outcome.output_tokens:
+            item = inflight[request.request_id]
+            item.pending_output_tokens += 1
+            tenant = item.record.request.tenant_id
+            served[tenant] = served.get(tenant, 0.0) + output_weight
+            if options.charge_interval_s <= 0:
+                queue.charge(item.job, 1, now_s)
+                item.pending_output_tokens = 0
+        for request in outcome.preempted:
+            inflight[request.request_id].record.num_preemptions += 1
+        collector.num_preemptions += len(outcome.preempted)
+        collector.num_recomputed_tokens += outcome.num_recomputed_tokens
+        collector.num_output_tokens += len(outcome.output_tokens)
+        if now_s <= workload.duration_s:
+            window_tokens[0] += len(outcome.output_tokens)
+        for request in outcome.finished:
+            item = inflight.pop(request.request_id)
+            if item.pending_output_tokens:
+                queue.charge(item.job, item.pending_output_tokens, now_s)
+            item.record.finish_s = now_s
+            queue.complete(item.job, now_s)
+            collector.finished(item.record)
+        pull(engine, now_s)
+        start(index, now_s)
+
+    def flush_charges(now_s: float) -> None:
+        for item in inflight.values():
+            if item.pending_output_tokens:
+                queue.charge(item.job, item.pending_output_tokens, now_s)
+                item.pending_output_tokens = 0
+
+    next_flush_s = options.charge_interval_s if options.charge_interval_s > 0 else math.inf
+    while True:
+        t_arrival = upcoming.arrival_s if upcoming is not None else math.inf
+        t_step = steps[0][0] if steps else math.inf
+        now_s = min(t_arrival, t_step, next_sample_s, next_flush_s)
+        if now_s > end_s or (upcoming is None and not steps and not len(queue)):
+            break
+        clock[0] = now_s
+        if now_s == next_sample_s:
+            take_drops(now_s)
+            trace.sample(now_s, served, queue.backlogged_tenants())
+            next_sample_s += options.sample_interval_s
+            if on_progress is not None:
+                on_progress(now_s)
+        elif now_s == next_flush_s:
+            flush_charges(now_s)
+            next_flush_s += options.charge_interval_s
+        elif now_s == t_step:
+            _, index = heapq.heappop(steps)
+            end_step(index, now_s)
+        else:
+            req = upcoming
+            if req is None:  # unreachable: t_arrival was the finite minimum
+                break
+            upcoming = next(arrivals, None)
+            collector.offered(req)
+            record = RequestRecord(req)
+            job = _job(req)
+            if spec.uses_admission and isinstance(queue, TieredQueue):
+                ahead = queue.prefill_tokens_ahead(job)
+                wait_s = predicted_wait_s(ahead, drain.tokens_per_s(now_s))
+                code = admit(tier_slo.get(req.tier), wait_s, headroom=options.admission_headroom)
+                if code is not None:
+                    collector.refused(record, code)
+                    continue
+            try:
+                queue.push(job, now_s)
+            except QueueFullError:
+                collector.refused(record, QUEUE_FULL)
+                continue
+            queued[req.request_id] = record
+            while idle and len(queue):
+                index = idle.pop()
+                pull(engines[index], now_s)
+                start(index, now_s)
+
+    duration_s = workload.duration_s
+    window = options.fairness_window_s or (0.2 * duration_s, duration_s)
+    tenant_tier = {t.tenant_id: t.tier for t in workload.tenants}
+    tenant_weight = {t.tenant_id: t.weight for t in workload.tenants}
+    stats = RunStats(
+        duration_s=duration_s,
+        tiers={t: collector.tier_stats(t, duration_s) for t in collector.tiers()},
+        output_tokens_per_s=window_tokens[0] / duration_s,
+        num_preemptions=collector.num_preemptions,
+        num_recomputed_tokens=collector.num_recomputed_tokens,
+        fairness=fairness_stats(trace, tenant_tier, tenant_weight, window),
+        num_steps=sum(e.num_steps for e in engines),
+        wall_s=time.perf_counter() - wall_start,
+    )
+    return SimResult(policy, stats, collector, trace, engines)
