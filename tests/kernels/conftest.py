@@ -16,6 +16,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+_NEEDS_CUDA = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
 # Padding entries of a block table may hold anything; these must never be read.
 _PADDING_BLOCK_IDS = (-1, 1 << 30)
 
@@ -108,3 +113,27 @@ def paged_kv() -> Callable[..., PagedKV]:
 def dense_attention() -> Callable[..., torch.Tensor]:
     """The `naive_attention` oracle."""
     return naive_attention
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a Triton kernel runs in a test, in which dtype, and how close it must be."""
+
+    device: str
+    dtype: torch.dtype
+    atol: float
+    rtol: float
+
+
+@pytest.fixture(
+    params=[
+        # Interpreted on the CPU: numpy has no bf16, and fp32 keeps the comparison tight.
+        pytest.param(Target("cpu", torch.float32, 2e-5, 2e-5), id="interpreter-fp32"),
+        pytest.param(Target("cuda", torch.float16, 2e-3, 2e-3), id="cuda-fp16", marks=_NEEDS_CUDA),
+        pytest.param(Target("cuda", torch.bfloat16, 2e-2, 2e-2), id="cuda-bf16", marks=_NEEDS_CUDA),
+    ]
+)
+def target(request: pytest.FixtureRequest) -> Target:
+    """Each place the Triton kernels are tested: the CPU interpreter, and CUDA fp16/bf16."""
+    pytest.importorskip("triton")
+    return request.param

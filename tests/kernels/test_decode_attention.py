@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.decode_attention import decode_attention_ref
+from kernels.decode_attention import decode_attention, decode_attention_ref
 
 # (num_heads, num_kv_heads): GQA ratios 1, 4 and 8.
 HEADS = [(4, 4), (8, 2), (16, 2)]
@@ -79,3 +79,76 @@ def test_ref_rejects_bad_input(paged_kv, index, bad, error):
     args[index] = bad(args[index])
     with pytest.raises(error):
         decode_attention_ref(*args)
+
+
+def _compare_with_ref(target, paged_kv, lens, heads, head_dim, block_size):
+    num_heads, num_kv_heads = heads
+    cache = paged_kv(
+        lens,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=target.dtype,
+        device=target.device,
+    )
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn((len(lens), num_heads, head_dim), generator=gen).to(target.dtype)
+    q = q.to(target.device)
+    args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens)
+    out = decode_attention(*args, head_dim**-0.5)
+    expected = decode_attention_ref(*args, head_dim**-0.5)
+    assert out.dtype == q.dtype
+    torch.testing.assert_close(out, expected, atol=target.atol, rtol=target.rtol)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", HEADS)
+def test_triton_matches_ref(target, paged_kv, heads, head_dim, block_size):
+    _compare_with_ref(target, paged_kv, MANY_LENS, heads, head_dim, block_size)
+
+
+# Contexts longer than one partition (512 tokens) are split across programs and merged;
+# the short sequence beside them leaves most of its partitions empty.
+@pytest.mark.parametrize(
+    ("lens", "heads", "block_size"),
+    [([1500, 3, 513], (8, 2), 16), ([1025], (8, 1), 32), ([700, 512], (4, 4), 16)],
+)
+def test_triton_split_k_long_contexts(target, paged_kv, lens, heads, block_size):
+    _compare_with_ref(target, paged_kv, lens, heads, 64, block_size)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_triton_very_long_context_on_cuda(paged_kv, dtype):
+    # Past 64 partitions of 512 the partitions grow instead (40k tokens: 64 x 640).
+    cuda = type("Target", (), {"device": "cuda", "dtype": dtype, "atol": 2e-2, "rtol": 2e-2})
+    _compare_with_ref(cuda, paged_kv, [40_000, 17, 4096], (32, 8), 128, 16)
+
+
+@pytest.mark.parametrize(
+    ("index", "bad", "error"),
+    [
+        (0, lambda a: a.to(torch.float16), TypeError),
+        (0, lambda a: a[:, :3], ValueError),
+        (3, lambda a: a[:1], ValueError),
+        (0, lambda a: a.transpose(1, 2).contiguous().transpose(1, 2), ValueError),  # strided
+    ],
+)
+def test_triton_rejects_bad_input(paged_kv, index, bad, error):
+    pytest.importorskip("triton")
+    args = _valid_args(paged_kv)
+    args[index] = bad(args[index])
+    with pytest.raises(error):
+        decode_attention(*args)
+
+
+def test_triton_rejects_head_dim_not_power_of_two(paged_kv):
+    pytest.importorskip("triton")
+    cache = paged_kv([20], num_kv_heads=2, head_dim=96, block_size=16)
+    q = torch.randn((1, 4, 96))
+    with pytest.raises(ValueError, match="head_dim"):
+        decode_attention(
+            q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, 0.1
+        )
