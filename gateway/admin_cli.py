@@ -1,0 +1,238 @@
+"""`tiergate admin ...`: manage tiers, tenants and keys through the admin HTTP API.
+
+    tiergate admin tiers list|get|create|update|delete
+    tiergate admin tenants list|get|create|update|delete
+    tiergate admin keys create|list|revoke
+
+The server is `--url` (TIERGATE_URL, default http://127.0.0.1:8000) and the token
+`--admin-token` (TIERGATE_ADMIN_TOKEN). Output is the API's JSON; an API error goes to
+stderr with exit status 1, an unreachable server or bad usage exits with 2. A limit
+flag set to `none` clears it (unlimited).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+API_PREFIX = "/admin/v1"
+
+
+def _int_or_none(raw: str) -> int | None:
+    return None if raw.lower() in ("none", "null") else int(raw)
+
+
+def _float_or_none(raw: str) -> float | None:
+    return None if raw.lower() in ("none", "null") else float(raw)
+
+
+# (flag, type) of every tier field an admin may set; `dest` is the JSON field name.
+_TIER_FLAGS: list[tuple[str, Callable[[str], Any]]] = [
+    ("--rank", int),
+    ("--ttft-slo-ms", _float_or_none),
+    ("--tpot-slo-ms", _float_or_none),
+    ("--max-queue-ms", _float_or_none),
+    ("--completion-window-s", _int_or_none),
+    ("--min-share", float),
+    ("--rpm", _int_or_none),
+    ("--tpm", _int_or_none),
+    ("--max-concurrency", _int_or_none),
+    ("--price-input-per-mtok", float),
+    ("--price-output-per-mtok", float),
+]
+_TENANT_LIMIT_FLAGS: list[tuple[str, Callable[[str], Any]]] = [
+    ("--weight", float),
+    ("--rpm", _int_or_none),
+    ("--tpm", _int_or_none),
+    ("--max-concurrency", _int_or_none),
+]
+_BODY_FIELDS = {
+    "name",
+    "tier",
+    "status",
+    "preemptible",
+    "expires_at",
+    "expires_in_s",
+    *(flag[2:].replace("-", "_") for flag, _ in _TIER_FLAGS + _TENANT_LIMIT_FLAGS),
+}
+
+
+def _connection_flags() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--url",
+        default=os.environ.get("TIERGATE_URL", DEFAULT_URL),
+        help="tiergate server (TIERGATE_URL, default %(default)s)",
+    )
+    common.add_argument(
+        "--admin-token",
+        default=os.environ.get("TIERGATE_ADMIN_TOKEN"),
+        help="admin bearer token (TIERGATE_ADMIN_TOKEN)",
+    )
+    common.add_argument("--timeout-s", type=float, default=30.0, help="HTTP timeout")
+    return common
+
+
+def _add_fields(parser: argparse.ArgumentParser, flags) -> None:
+    for flag, kind in flags:
+        # SUPPRESS: a flag not given is not sent, so PATCH changes only what was asked.
+        parser.add_argument(flag, type=kind, default=argparse.SUPPRESS)
+
+
+def add_admin_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `admin` and its commands on the `tiergate` parser's subparsers.
+
+    Each leaf sets `func(args) -> int` (the exit status).
+    """
+    common = _connection_flags()
+    admin = subparsers.add_parser(
+        "admin", help="manage tiers, tenants and API keys over the admin API"
+    )
+    groups = admin.add_subparsers(title="objects", metavar="OBJECT")
+    admin.set_defaults(func=lambda args: _usage(admin))
+
+    def leaf(group, name: str, help_: str, build: Callable[[argparse.Namespace], tuple]):
+        parser = group.add_parser(name, help=help_, parents=[common])
+        parser.set_defaults(func=lambda args: _call(args, *build(args)))
+        return parser
+
+    tiers = _group(groups, "tiers", "service tiers")
+    leaf(tiers, "list", "list tiers", lambda a: ("GET", "/tiers", None))
+    leaf(tiers, "get", "show a tier", lambda a: ("GET", f"/tiers/{_q(a.tier_name)}", None))
+    create = leaf(tiers, "create", "add a tier", lambda a: ("POST", "/tiers", _body(a)))
+    update = leaf(
+        tiers, "update", "change a tier", lambda a: ("PATCH", f"/tiers/{_q(a.name)}", _body(a))
+    )
+    leaf(
+        tiers, "delete", "delete an unused tier", lambda a: ("DELETE", f"/tiers/{_q(a.tier_name)}")
+    )
+    for parser in (create, update):
+        parser.add_argument("name", help="tier name, e.g. gold")
+        _add_fields(parser, _TIER_FLAGS)
+        parser.add_argument(
+            "--preemptible", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS
+        )
+    for parser in tiers.choices.values():
+        if parser.prog.split()[-1] in ("get", "delete"):
+            parser.add_argument("tier_name", metavar="name")
+
+    tenants = _group(groups, "tenants", "tenants")
+    listing = leaf(tenants, "list", "list tenants", lambda a: ("GET", _tenant_page(a), None))
+    listing.add_argument("--limit", type=int, default=100)
+    listing.add_argument("--after", help="last tenant id of the previous page")
+    get = leaf(tenants, "get", "show a tenant", lambda a: ("GET", f"/tenants/{_q(a.id)}", None))
+    create = leaf(tenants, "create", "add a tenant", lambda a: ("POST", "/tenants", _body(a)))
+    create.add_argument("name")
+    create.add_argument("--tier", required=True)
+    update = leaf(
+        tenants, "update", "change a tenant", lambda a: ("PATCH", f"/tenants/{_q(a.id)}", _body(a))
+    )
+    update.add_argument("id", help="tenant id (ten_...)")
+    update.add_argument("--name", default=argparse.SUPPRESS)
+    update.add_argument("--tier", default=argparse.SUPPRESS)
+    update.add_argument("--status", choices=["active", "suspended"], default=argparse.SUPPRESS)
+    delete = leaf(
+        tenants,
+        "delete",
+        "delete a tenant and its keys",
+        lambda a: ("DELETE", f"/tenants/{_q(a.id)}"),
+    )
+    for parser in (get, delete):
+        parser.add_argument("id", help="tenant id (ten_...)")
+    for parser in (create, update):
+        _add_fields(parser, _TENANT_LIMIT_FLAGS)
+
+    keys = _group(groups, "keys", "API keys")
+    create = leaf(
+        keys,
+        "create",
+        "mint a key (the secret is printed once)",
+        lambda a: ("POST", f"/tenants/{_q(a.tenant_id)}/keys", _body(a)),
+    )
+    create.add_argument("tenant_id", help="tenant id (ten_...)")
+    create.add_argument("--name", default=argparse.SUPPRESS)
+    create.add_argument("--expires-at", default=argparse.SUPPRESS, help="ISO 8601, with zone")
+    create.add_argument("--expires-in-s", type=int, default=argparse.SUPPRESS)
+    listing = leaf(
+        keys,
+        "list",
+        "list a tenant's keys (no secrets)",
+        lambda a: ("GET", f"/tenants/{_q(a.tenant_id)}/keys", None),
+    )
+    listing.add_argument("tenant_id", help="tenant id (ten_...)")
+    revoke = leaf(keys, "revoke", "revoke a key", lambda a: ("DELETE", f"/keys/{_q(a.key_id)}"))
+    revoke.add_argument("key_id", help="key id (key_...)")
+    return admin
+
+
+def _usage(parser: argparse.ArgumentParser) -> int:
+    parser.print_help(sys.stderr)
+    return 2
+
+
+def _group(groups, name: str, help_: str):
+    parser = groups.add_parser(name, help=help_)
+    parser.set_defaults(func=lambda args: _usage(parser))
+    return parser.add_subparsers(metavar="ACTION")
+
+
+def _q(segment: str) -> str:
+    return quote(segment, safe="")
+
+
+def _tenant(args: argparse.Namespace) -> str:
+    return f"/tenants/{_q(args.id)}"
+
+
+def _tenant_page(args: argparse.Namespace) -> str:
+    query = f"/tenants?limit={args.limit}"
+    return query if args.after is None else f"{query}&after={_q(args.after)}"
+
+
+def _body(args: argparse.Namespace) -> dict[str, Any]:
+    return {name: value for name, value in vars(args).items() if name in _BODY_FIELDS}
+
+
+def _call(args: argparse.Namespace, method: str, path: str, body: Any = None) -> int:
+    if not args.admin_token:
+        print("tiergate admin: set --admin-token or TIERGATE_ADMIN_TOKEN", file=sys.stderr)
+        return 2
+    url = args.url.rstrip("/") + API_PREFIX + path
+    try:
+        with httpx.Client(timeout=args.timeout_s) as client:
+            response = client.request(
+                method,
+                url,
+                json=body,
+                headers={"authorization": f"Bearer {args.admin_token}"},
+            )
+    except httpx.HTTPError as exc:
+        print(f"tiergate admin: cannot reach {args.url}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        payload = response.json()
+    except ValueError:
+        payload = {"status": response.status_code, "body": response.text}
+    out = sys.stdout if response.is_success else sys.stderr
+    print(json.dumps(payload, indent=2), file=out)
+    return 0 if response.is_success else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m gateway.admin_cli ...` (the same commands as `tiergate admin ...`)."""
+    parser = argparse.ArgumentParser(prog="tiergate")
+    add_admin_parser(parser.add_subparsers())
+    args = parser.parse_args(["admin", *(sys.argv[1:] if argv is None else argv)])
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

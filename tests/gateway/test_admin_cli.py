@@ -1,0 +1,122 @@
+"""`tiergate admin ...` against a live admin API (uvicorn on a free port, real database)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.routing import Mount
+
+from gateway.admin import AdminDeps, admin_routes
+from gateway.admin_cli import main
+from gateway.auth import KeyAuthenticator
+from gateway.db.session import create_db_engine, create_sessionmaker
+from gateway.tiers import TierCatalog
+
+TOKEN = "cli-admin-token"
+
+
+def _admin_app(database_url: str) -> Starlette:
+    routes: list = []
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        engine = create_db_engine(database_url)
+        sessions = create_sessionmaker(engine)
+        tiers = TierCatalog(sessions)
+        deps = AdminDeps(sessions, TOKEN, tiers, KeyAuthenticator(sessions, tiers))
+        routes.append(Mount("/admin/v1", routes=admin_routes(deps)))
+        app.router.routes.extend(routes)
+        yield
+        await engine.dispose()
+
+    return Starlette(lifespan=lifespan)
+
+
+@pytest.fixture
+def server_url(migrated_database_url: str) -> Iterator[str]:
+    config = uvicorn.Config(
+        _admin_app(migrated_database_url), host="127.0.0.1", port=0, log_level="warning"
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "admin server did not start"
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def _run(capsys, url: str, *argv: str, token: str = TOKEN) -> tuple[int, dict | None, str]:
+    code = main([*argv[:2], "--url", url, "--admin-token", token, *argv[2:]])
+    out, err = capsys.readouterr()
+    return code, (json.loads(out) if out.strip() else None), err
+
+
+def test_admin_cli_round_trip(server_url: str, capsys) -> None:
+    code, tiers, _ = _run(capsys, server_url, "tiers", "list")
+    assert code == 0
+    assert [t["name"] for t in tiers["data"]] == ["priority", "interactive", "batch"]
+
+    code, gold, _ = _run(
+        capsys, server_url, "tiers", "create", "gold", "--rank", "0", "--ttft-slo-ms", "300",
+        "--preemptible", "--rpm", "50",
+    )  # fmt: skip
+    assert code == 0
+    assert (gold["ttft_slo_ms"], gold["preemptible"], gold["rpm"]) == (300.0, True, 50)
+    code, gold, _ = _run(capsys, server_url, "tiers", "update", "gold", "--rpm", "none")
+    assert (code, gold["rpm"], gold["ttft_slo_ms"]) == (0, None, 300.0)  # only what was asked
+
+    code, tenant, _ = _run(capsys, server_url, "tenants", "create", "acme", "--tier", "gold")
+    assert code == 0
+    code, tenant, _ = _run(
+        capsys, server_url, "tenants", "update", tenant["id"], "--status", "suspended",
+        "--weight", "2",
+    )  # fmt: skip
+    assert (code, tenant["status"], tenant["weight"]) == (0, "suspended", 2.0)
+    code, page, err = _run(capsys, server_url, "tenants", "list", "--limit", "5")
+    assert code == 0, err
+    assert [t["id"] for t in page["data"]] == [tenant["id"]]
+
+    code, key, _ = _run(capsys, server_url, "keys", "create", tenant["id"], "--name", "ci")
+    assert code == 0
+    assert key["secret"].startswith("tg-")
+    code, keys, _ = _run(capsys, server_url, "keys", "list", tenant["id"])
+    assert [k["id"] for k in keys["data"]] == [key["id"]]
+    assert "secret" not in keys["data"][0]
+    code, revoked, _ = _run(capsys, server_url, "keys", "revoke", key["id"])
+    assert revoked["revoked_at"] is not None
+
+    # API errors: JSON on stderr, exit status 1.
+    code, out, err = _run(capsys, server_url, "tiers", "delete", "gold")
+    assert (code, out) == (1, None)
+    assert json.loads(err)["error"]["code"] == "tier_in_use"
+    assert _run(capsys, server_url, "tenants", "delete", tenant["id"])[0] == 0
+    assert _run(capsys, server_url, "tiers", "delete", "gold")[0] == 0
+    code, _, err = _run(capsys, server_url, "tenants", "get", "ten missing?x")
+    assert code == 1
+    assert json.loads(err)["error"]["type"] == "not_found_error"
+
+
+def test_admin_cli_refusals(server_url: str, capsys) -> None:
+    code, _, err = _run(capsys, server_url, "tiers", "list", token="wrong")
+    assert code == 1
+    assert json.loads(err)["error"]["type"] == "authentication_error"
+    code, _, err = _run(capsys, "http://127.0.0.1:9", "tiers", "list")  # nothing listens
+    assert code == 2
+    assert "cannot reach" in err
+    code, _, err = _run(capsys, server_url, "tiers", "list", token="")
+    assert code == 2
+    assert "TIERGATE_ADMIN_TOKEN" in err
