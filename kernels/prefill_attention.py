@@ -18,10 +18,105 @@ from kernels._checks import (
     check_dim,
     check_gqa,
     check_kv_cache,
+    check_last_dim_contiguous,
     check_same_device,
     check_same_dtype,
     check_tensor,
 )
+from kernels._triton import jit, launchable, next_power_of_2, require_triton, tl
+
+_QUERY_TILE = 32  # query tokens per program
+_KEY_TILE = 64  # keys per inner step (spans several 16/32-token pages)
+_LOG2_E = 1.4426950408889634
+
+
+@jit
+def _prefill_attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    cu_seqlens_q_ptr,
+    context_lens_ptr,
+    out_ptr,
+    scale_log2,  # softmax scale * log2(e): exp2 is the fast exponential
+    q_stride_t,
+    q_stride_h,
+    block_tables_stride,
+    cache_stride_block,
+    cache_stride_token,
+    cache_stride_head,
+    num_seqs,
+    num_heads,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SEQS_PAD: tl.constexpr,
+):
+    # Program (t, head) takes the t-th BLOCK_M-query tile of the whole batch. Tiles are
+    # numbered sequence by sequence; the launcher cannot know how many each sequence has
+    # without reading cu_seqlens_q back from the GPU, so every program finds its own
+    # (sequence, tile) from a prefix sum of tiles per sequence, and spare programs exit.
+    tile_id = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_ids = tl.arange(0, SEQS_PAD)
+    seq_mask = seq_ids < num_seqs
+    starts = tl.load(cu_seqlens_q_ptr + seq_ids, mask=seq_mask, other=0)
+    ends = tl.load(cu_seqlens_q_ptr + seq_ids + 1, mask=seq_mask, other=0)
+    tiles_per_seq = (ends - starts + BLOCK_M - 1) // BLOCK_M
+    tiles_through = tl.cumsum(tiles_per_seq, axis=0)
+    seq = tl.sum((tiles_through <= tile_id).to(tl.int32), axis=0)
+    if seq < num_seqs:
+        first_tile = tl.sum(tl.where(seq_ids == seq, tiles_through - tiles_per_seq, 0), axis=0)
+        q_start = tl.load(cu_seqlens_q_ptr + seq)
+        q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+        context_len = tl.load(context_lens_ptr + seq)
+        rows = (tile_id - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < q_len
+        # Rows past the chunk pose as its last query, so no row is fully masked (NaN).
+        positions = tl.where(row_mask, context_len - q_len + rows, context_len - 1)
+        dims = tl.arange(0, HEAD_DIM)
+        token_offsets = (q_start + rows).to(tl.int64) * q_stride_t + head * q_stride_h
+        q = tl.load(
+            q_ptr + token_offsets[:, None] + dims[None, :], mask=row_mask[:, None], other=0.0
+        )
+        kv_head = head // GROUP
+        table = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
+        max_logit = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        denominator = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+        # Keys past this tile's last query are masked for every row: stop before them.
+        kv_end = tl.minimum(tl.max(positions, axis=0) + 1, context_len)
+        for kv_start in range(0, kv_end, BLOCK_N):
+            tokens = kv_start + tl.arange(0, BLOCK_N)
+            token_mask = tokens < kv_end
+            blocks = tl.load(table + tokens // BLOCK_SIZE, mask=token_mask, other=0)
+            offsets = (
+                blocks.to(tl.int64) * cache_stride_block
+                + (tokens % BLOCK_SIZE) * cache_stride_token
+                + kv_head * cache_stride_head
+            )
+            kv_offsets = offsets[:, None] + dims[None, :]
+            k = tl.load(k_cache_ptr + kv_offsets, mask=token_mask[:, None], other=0.0)
+            v = tl.load(v_cache_ptr + kv_offsets, mask=token_mask[:, None], other=0.0)
+            logits = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+            is_visible = (tokens[None, :] <= positions[:, None]) & token_mask[None, :]
+            logits = tl.where(is_visible, logits, float("-inf"))
+            new_max = tl.maximum(max_logit, tl.max(logits, axis=1))
+            rescale = tl.exp2(max_logit - new_max)
+            probs = tl.exp2(logits - new_max[:, None])
+            denominator = denominator * rescale + tl.sum(probs, axis=1)
+            acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision="ieee")
+            max_logit = new_max
+        acc = acc / denominator[:, None]
+        out_offsets = (q_start + rows).to(tl.int64) * num_heads * HEAD_DIM + head * HEAD_DIM
+        tl.store(
+            out_ptr + out_offsets[:, None] + dims[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=row_mask[:, None],
+        )
 
 
 def _check(
@@ -74,6 +169,64 @@ def _check_values(
         raise ValueError(
             f"context_lens must be at most max_blocks_per_seq * block_size ({capacity})"
         )
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Triton `prefill_attention`; returns out shaped like q.
+
+    Same contract as `prefill_attention_ref`, except that the metadata values are not
+    checked on the host (that would stall the GPU): the caller guarantees cu_seqlens_q
+    rises from 0 to q.shape[0], each chunk fits in its context, and the used part of each
+    block table holds valid ids. head_dim and block_size must be powers of two >= 16.
+    """
+    require_triton("prefill_attention")
+    _check(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens)
+    check_last_dim_contiguous("q", q)
+    check_last_dim_contiguous("block_tables", block_tables)
+    total_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    for name, size in (("head_dim", head_dim), ("block_size", block_size)):
+        if size < 16 or next_power_of_2(size) != size:
+            raise ValueError(f"{name} must be a power of two >= 16, got {size}")
+    out = torch.empty((total_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    num_seqs = context_lens.shape[0]
+    if total_tokens == 0 or num_seqs == 0:
+        return out
+    # Each sequence wastes at most one partial tile, which bounds the tiles without a sync.
+    max_tiles = -(-total_tokens // _QUERY_TILE) + num_seqs
+    launchable(_prefill_attention_kernel, q.device)[(max_tiles, num_heads)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        cu_seqlens_q,
+        context_lens,
+        out,
+        float(scale) * _LOG2_E,
+        q.stride(0),
+        q.stride(1),
+        block_tables.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        num_seqs,
+        num_heads,
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=_QUERY_TILE,
+        BLOCK_N=_KEY_TILE,
+        SEQS_PAD=next_power_of_2(num_seqs),
+    )
+    return out
 
 
 def prefill_attention_ref(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.prefill_attention import prefill_attention_ref
+from kernels.prefill_attention import prefill_attention, prefill_attention_ref
 
 HEADS = [(4, 4), (8, 2), (16, 2)]  # GQA ratios 1, 4 and 8
 # (context_len, chunk_len): a fresh prompt, chunks after cached prefixes (odd offsets,
@@ -77,3 +77,75 @@ def test_ref_rejects_bad_input(paged_kv, index, bad, error):
     args[index] = bad(args[index])
     with pytest.raises(error):
         prefill_attention_ref(*args)
+
+
+def _compare_with_ref(target, paged_kv, seqs, heads, head_dim, block_size):
+    num_heads, num_kv_heads = heads
+    context_lens = [c for c, _ in seqs]
+    query_lens = [q for _, q in seqs]
+    cache = paged_kv(
+        context_lens,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=target.dtype,
+        device=target.device,
+    )
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn((sum(query_lens), num_heads, head_dim), generator=gen).to(target.dtype)
+    q = q.to(target.device)
+    cu = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    cu = cu.to(target.device)
+    args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cu, cache.context_lens)
+    out = prefill_attention(*args, head_dim**-0.5)
+    expected = prefill_attention_ref(*args, head_dim**-0.5)
+    assert out.dtype == q.dtype
+    torch.testing.assert_close(out, expected, atol=target.atol, rtol=target.rtol)
+
+
+# Few heads keep the interpreter quick; every GQA ratio, head dim and block size appears.
+@pytest.mark.parametrize(
+    ("heads", "head_dim", "block_size"),
+    [((2, 2), 64, 16), ((4, 1), 128, 32), ((8, 1), 64, 32), ((4, 1), 64, 16)],
+)
+def test_triton_matches_ref(target, paged_kv, heads, head_dim, block_size):
+    _compare_with_ref(target, paged_kv, MIXED, heads, head_dim, block_size)
+
+
+@pytest.mark.parametrize(
+    "seqs",
+    [
+        [(1, 1)],  # a one-token prompt
+        [(200, 70)],  # one long chunk after a cached prefix, three query tiles
+        [(9, 4), (20, 0), (33, 33)],  # a sequence with nothing to compute
+    ],
+)
+def test_triton_single_and_edge_sequences(target, paged_kv, seqs):
+    _compare_with_ref(target, paged_kv, seqs, (2, 1), 64, 16)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_triton_large_batch_on_cuda(paged_kv, dtype):
+    cuda = type("Target", (), {"device": "cuda", "dtype": dtype, "atol": 2e-2, "rtol": 2e-2})
+    seqs = [(2048, 2048), (4000, 512), (77, 13), (1000, 999), *[(300, 64)] * 12]
+    _compare_with_ref(cuda, paged_kv, seqs, (32, 8), 128, 16)
+
+
+@pytest.mark.parametrize(
+    ("index", "bad", "error"),
+    [
+        (0, lambda a: a.to(torch.bfloat16), TypeError),
+        (0, lambda a: a[:, :3], ValueError),
+        (4, lambda a: a[:2], ValueError),
+        (5, lambda a: a.float(), TypeError),
+        (0, lambda a: a.transpose(1, 2).contiguous().transpose(1, 2), ValueError),  # strided
+    ],
+)
+def test_triton_rejects_bad_input(paged_kv, index, bad, error):
+    pytest.importorskip("triton")
+    args = _valid_args(paged_kv)
+    args[index] = bad(args[index])
+    with pytest.raises(error):
+        prefill_attention(*args)

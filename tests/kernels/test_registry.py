@@ -27,6 +27,13 @@ def test_unknown_op_is_a_value_error():
         resolve("flash_mla", "cuda")
 
 
+def test_every_op_has_both_implementations():
+    for op in OPS:
+        module = importlib.import_module(resolve(op, "cpu").__module__)
+        assert callable(getattr(module, op))
+        assert callable(getattr(module, f"{op}_ref"))
+
+
 def test_triton_availability_follows_the_device():
     assert is_triton_available() == (
         torch.cuda.is_available() and importlib.util.find_spec("triton") is not None

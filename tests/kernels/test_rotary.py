@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from kernels.rotary import rotary_embedding_ref
+from kernels.rotary import rotary_embedding, rotary_embedding_ref
 
 
 def build_cos_sin_cache(max_positions: int, head_dim: int, base: float = 10000.0):
@@ -84,3 +84,55 @@ def test_ref_rejects_bad_input(kwargs, error):
     args.update(kwargs)
     with pytest.raises(error):
         rotary_embedding_ref(**args)
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "num_heads", "num_kv_heads", "head_dim"),
+    [(1, 4, 4, 64), (37, 8, 2, 128), (5, 16, 2, 64), (9, 6, 3, 64)],
+)
+def test_triton_matches_ref(target, num_tokens, num_heads, num_kv_heads, head_dim):
+    gen = torch.Generator().manual_seed(7)
+    query = torch.randn((num_tokens, num_heads, head_dim), generator=gen).to(target.dtype)
+    key = torch.randn((num_tokens, num_kv_heads, head_dim), generator=gen).to(target.dtype)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=gen)
+    args = [positions, query, key, build_cos_sin_cache(4096, head_dim)]
+    args = [t.to(target.device) for t in args]
+    q_out, k_out = rotary_embedding(*args)
+    q_expected, k_expected = rotary_embedding_ref(*args)
+    torch.testing.assert_close(q_out, q_expected, atol=target.atol, rtol=target.rtol)
+    torch.testing.assert_close(k_out, k_expected, atol=target.atol, rtol=target.rtol)
+
+
+def test_triton_reads_a_fused_qkv_view(target):
+    qkv = torch.randn((7, 4 + 2 + 2, 64)).to(target.dtype).to(target.device)
+    query, key = qkv[:, :4], qkv[:, 4:6]
+    positions = torch.arange(7, device=target.device) * 3
+    cache = build_cos_sin_cache(64, 64).to(target.device)
+    q_out, k_out = rotary_embedding(positions, query, key, cache)
+    q_expected, k_expected = rotary_embedding_ref(positions, query, key, cache)
+    torch.testing.assert_close(q_out, q_expected, atol=target.atol, rtol=target.rtol)
+    torch.testing.assert_close(k_out, k_expected, atol=target.atol, rtol=target.rtol)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"positions": torch.tensor([0.0, 1.0, 2.0])}, TypeError),
+        ({"key": torch.randn(3, 2, 32)}, ValueError),
+        ({"cos_sin_cache": build_cos_sin_cache(8, 64).half()}, TypeError),
+        ({"query": torch.randn(3, 4, 48), "key": torch.randn(3, 2, 48)}, ValueError),
+    ],
+)
+def test_triton_rejects_bad_input(kwargs, error):
+    pytest.importorskip("triton")
+    args = {
+        "positions": torch.tensor([0, 1, 2]),
+        "query": torch.randn(3, 4, 64),
+        "key": torch.randn(3, 2, 64),
+        "cos_sin_cache": build_cos_sin_cache(8, 64),
+    }
+    if "query" in kwargs:
+        args["cos_sin_cache"] = build_cos_sin_cache(8, 48)
+    args.update(kwargs)
+    with pytest.raises(error):
+        rotary_embedding(**args)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.write_kv import write_kv_ref
+from kernels.write_kv import write_kv, write_kv_ref
 
 
 def _naive_write(key, value, k_cache, v_cache, slot_mapping):
@@ -75,3 +75,53 @@ def test_ref_rejects_bad_input(index, bad, error):
     args[index] = bad(args[index])
     with pytest.raises(error):
         write_kv_ref(*args)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize(
+    ("num_tokens", "num_kv_heads", "head_dim"), [(1, 1, 64), (37, 2, 128), (100, 8, 64)]
+)
+def test_triton_matches_ref(target, num_tokens, num_kv_heads, head_dim, block_size):
+    case = _case(num_tokens, num_kv_heads, head_dim, block_size)
+    key, value, k_cache, v_cache, slots = (t.to(target.device) for t in case)
+    key, value = key.to(target.dtype), value.to(target.dtype)
+    k_cache, v_cache = k_cache.to(target.dtype), v_cache.to(target.dtype)
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    write_kv_ref(key, value, k_expected, v_expected, slots)
+    write_kv(key, value, k_cache, v_cache, slots)
+    # A copy: bit-exact in every dtype.
+    assert torch.equal(k_cache, k_expected)
+    assert torch.equal(v_cache, v_expected)
+
+
+def test_triton_reads_strided_views(target):
+    # The engine slices K and V out of one fused QKV projection: rows are strided.
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn((11, 8 + 2 + 2, 64), generator=gen).to(target.dtype).to(target.device)
+    key, value = qkv[:, 8:10], qkv[:, 10:12]
+    k_cache = torch.zeros((4, 16, 2, 64), dtype=target.dtype, device=target.device)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.arange(3, 14, device=target.device)
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    write_kv_ref(key, value, k_expected, v_expected, slots)
+    write_kv(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, k_expected)
+    assert torch.equal(v_cache, v_expected)
+
+
+@pytest.mark.parametrize(
+    ("index", "bad", "error"),
+    [
+        (0, lambda a: a.half(), TypeError),
+        (1, lambda a: a[:-1], ValueError),
+        (4, lambda a: a.float(), TypeError),
+        (2, lambda a: a.transpose(1, 2), ValueError),
+        (0, lambda a: a.transpose(1, 2).contiguous().transpose(1, 2), ValueError),  # strided
+    ],
+)
+def test_triton_rejects_bad_input(index, bad, error):
+    pytest.importorskip("triton")
+    args = list(_case(6, 2, 64, 16))
+    args[index] = bad(args[index])
+    with pytest.raises(error):
+        write_kv(*args)
