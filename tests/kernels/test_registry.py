@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,3 +41,26 @@ def test_triton_availability_follows_the_device():
     assert is_triton_available() == (
         torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
     )
+
+
+def test_without_triton_kernels_import_and_resolve_to_references():
+    # A None entry in sys.modules makes `import triton` raise ImportError.
+    code = (
+        "import sys\n"
+        "sys.modules['triton'] = None\n"
+        "import torch\n"
+        "from kernels.registry import OPS, resolve\n"
+        "from kernels.rms_norm import rms_norm\n"
+        "assert all(resolve(op, 'cuda').__name__ == op + '_ref' for op in OPS)\n"
+        "try:\n"
+        "    rms_norm(torch.ones(2, 8), torch.ones(8), 1e-6)\n"
+        "except RuntimeError as error:\n"
+        "    assert 'needs triton' in str(error)\n"
+        "else:\n"
+        "    raise SystemExit('the launcher ran without triton')\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
