@@ -189,6 +189,9 @@ class Dispatcher:
             )
             async for output in outputs:
                 stream._put(output)
+                # An output means the engine finished a step and took its pending adds:
+                # it may accept more now.
+                self._capacity_freed.set()
         except asyncio.CancelledError:
             error = RequestAbortedError(f"request {job.job_id} was cancelled")
             raise

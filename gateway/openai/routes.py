@@ -180,9 +180,14 @@ class OpenAIRoutes:
         )
         outputs = exchange.stream.__aiter__()
         try:
-            # Wait for the first output before answering, so that an error raised before
-            # any token (engine refusal, shutdown) still gets its proper status code.
-            first = await self._unless_disconnected(request, _next_or_none(outputs))
+            if options.stream:
+                # Wait for the first output before answering, so that an error raised
+                # before any token (engine refusal, shutdown) still gets its status code.
+                first = await self._unless_disconnected(request, _next_or_none(outputs))
+            else:
+                text, finish_reason = await self._unless_disconnected(
+                    request, self._collect(exchange, outputs)
+                )
         except ClientDisconnectedError:
             await self._finish_aborted(exchange)
             return Response(status_code=499)
@@ -195,16 +200,6 @@ class OpenAIRoutes:
                 media_type="text/event-stream",
                 headers={"cache-control": "no-cache"},
             )
-        try:
-            text, finish_reason = await self._unless_disconnected(
-                request, self._collect(exchange, first, outputs)
-            )
-        except ClientDisconnectedError:
-            await self._finish_aborted(exchange)
-            return Response(status_code=499)
-        except Exception:
-            self.deps.usage.record(exchange.record("error"))
-            raise
         self.deps.usage.record(exchange.record("ok"))
         usage = Usage(exchange.num_prompt_tokens, exchange.num_completion_tokens)
         return JSONResponse(shape.full(text, finish_reason, usage))
@@ -279,17 +274,15 @@ class OpenAIRoutes:
         )
 
     async def _collect(
-        self, exchange: _Exchange, first: Any, outputs: AsyncIterator[Any]
+        self, exchange: _Exchange, outputs: AsyncIterator[Any]
     ) -> tuple[str, str | None]:
         pieces: list[str] = []
         finish_reason: str | None = None
-        output = first
-        while output is not None:
+        async for output in outputs:
             self._account(exchange, output)
             pieces.append(output.text_delta)
             if output.finished:
                 finish_reason = _finish_reason(output)
-            output = await _next_or_none(outputs)
         return "".join(pieces), finish_reason
 
     async def _stream(
