@@ -1,0 +1,182 @@
+"""The `tiergate` command: serve [--demo], migrate, admin.
+
+Flags mirror the TIERGATE_* environment variables and win over them; both are read here,
+once, into a frozen Settings that the composition root receives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import secrets
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from gateway.errors import GatewayError
+from gateway.settings import Settings, SettingsError, settings_from_env
+
+log = logging.getLogger("tiergate")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "func"):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except (SettingsError, GatewayError) as exc:
+        print(f"tiergate: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tiergate", description="Multi-tenant LLM inference gateway."
+    )
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND")
+
+    serve = commands.add_parser("serve", help="run gateway + dispatcher + engine in one process")
+    _add_common_flags(serve)
+    serve.add_argument("--host", help="bind address (TIERGATE_HOST, default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="bind port (TIERGATE_PORT, default 8000)")
+    serve.add_argument("--model", help="HF checkpoint directory or tiny-random (TIERGATE_MODEL)")
+    serve.add_argument(
+        "--device", choices=["auto", "cpu", "cuda"], help="engine device (TIERGATE_DEVICE)"
+    )
+    serve.add_argument("--redis-url", help="Redis URL (TIERGATE_REDIS_URL)")
+    serve.add_argument("--admin-token", help="admin API bearer token (TIERGATE_ADMIN_TOKEN)")
+    serve.add_argument(
+        "--max-body-bytes", type=int, help="request body limit (TIERGATE_MAX_BODY_BYTES)"
+    )
+    serve.add_argument(
+        "--max-model-len", type=int, help="cap the context window (TIERGATE_MAX_MODEL_LEN)"
+    )
+    serve.add_argument(
+        "--demo",
+        action="store_true",
+        help="create one demo tenant per tier and print their keys and example requests",
+    )
+    serve.set_defaults(func=_serve)
+
+    migrate = commands.add_parser("migrate", help="upgrade the database to the newest schema")
+    _add_common_flags(migrate)
+    migrate.set_defaults(func=_migrate)
+
+    from gateway.admin_cli import add_admin_parser
+
+    add_admin_parser(commands)
+    return parser
+
+
+def _add_common_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--database-url", help="SQLAlchemy async URL (TIERGATE_DATABASE_URL)")
+    parser.add_argument(
+        "--data-dir", type=Path, help="data directory (TIERGATE_DATA_DIR, default ./.tiergate)"
+    )
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Environment first, then the flags that were given."""
+    return settings_from_env().with_overrides(**vars(args))
+
+
+def _migrate(args: argparse.Namespace) -> int:
+    from gateway.migrate import upgrade_to_head
+
+    settings = settings_from_args(args)
+    if settings.is_embedded_db:
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+    upgrade_to_head(settings.db_url)
+    print(f"database is at the newest revision: {_redacted(settings.db_url)}")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from gateway.app import build_app
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    settings = settings_from_args(args)
+    if settings.redis_url:
+        log.warning("the Redis queue is not available yet; using the in-memory queue")
+    if args.demo:
+        generated = settings.admin_token is None
+        if generated:
+            settings = settings.with_overrides(admin_token=secrets.token_urlsafe(32))
+        print(_demo_banner(settings, asyncio.run(_demo_tenants(settings)), generated), flush=True)
+    app = build_app(settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", access_log=False)
+    return 0
+
+
+async def _demo_tenants(settings: Settings) -> list:
+    from gateway.db.session import create_db_engine, create_sessionmaker
+    from gateway.demo import ensure_demo_tenants
+    from gateway.migrate import upgrade_to_head
+
+    if settings.is_embedded_db:
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+    await asyncio.to_thread(upgrade_to_head, settings.db_url)
+    db_engine = create_db_engine(settings.db_url)
+    try:
+        return await ensure_demo_tenants(create_sessionmaker(db_engine))
+    finally:
+        await db_engine.dispose()
+
+
+def _demo_banner(settings: Settings, tenants: list, generated_token: bool) -> str:
+    base_url = f"http://{settings.host}:{settings.port}"
+    model = settings.model
+    key = tenants[0].api_key if tenants else "tg-..."
+    for tenant in tenants:
+        if tenant.tier == "interactive":
+            key = tenant.api_key
+    body = (
+        f'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello"}}], '
+        '"max_tokens": 16}'
+    )
+    lines = [
+        "",
+        f"tiergate demo: serving {model} at {base_url}",
+        "",
+        "Demo tenants (keys are shown once; a rerun mints new ones):",
+    ]
+    lines += [f"  {t.name:<24} tier={t.tier:<12} {t.api_key}" for t in tenants]
+    source = "generated; set TIERGATE_ADMIN_TOKEN to choose one" if generated_token else "set"
+    lines += [
+        "",
+        f"Admin token ({source}): {settings.admin_token}",
+        "",
+        "Try it with curl:",
+        f"  curl {base_url}/v1/chat/completions \\",
+        f"    -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' \\",
+        f"    -d {shlex.quote(body)}",
+        "",
+        "Or with the openai client:",
+        "  python - <<'EOF'",
+        "  from openai import OpenAI",
+        f'  client = OpenAI(base_url="{base_url}/v1", api_key="{key}")',
+        "  reply = client.chat.completions.create(",
+        f'      model="{model}", messages=[{{"role": "user", "content": "Hello"}}], max_tokens=16',
+        "  )",
+        "  print(reply.choices[0].message.content, reply.usage)",
+        "  EOF",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _redacted(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

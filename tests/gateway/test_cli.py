@@ -1,0 +1,152 @@
+"""The `tiergate` command: settings from env and flags, `migrate`, `serve --demo`."""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from gateway.cli import main, settings_from_args
+from gateway.migrate import current_revision, head_revisions
+from gateway.settings import Settings, SettingsError, settings_from_env
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _tiergate(*args: str, env: dict[str, str] | None = None, timeout_s: float = 120):
+    return subprocess.run(
+        [sys.executable, "-m", "gateway.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=env,
+        check=False,
+    )
+
+
+def test_settings_defaults_env_and_flags(tmp_path: Path) -> None:
+    defaults = settings_from_env({})
+    assert (defaults.host, defaults.port, defaults.model, defaults.device) == (
+        "127.0.0.1",
+        8000,
+        "tiny-random",
+        "auto",
+    )
+    assert defaults.db_url == f"sqlite+aiosqlite:///{Path('.tiergate/tiergate.db').resolve()}"
+    assert defaults.redis_url is None
+    assert defaults.is_embedded_db
+    env = {
+        "TIERGATE_DATA_DIR": str(tmp_path),
+        "TIERGATE_PORT": "9001",
+        "TIERGATE_MAX_BODY_BYTES": "4096",
+        "TIERGATE_REDIS_URL": "",  # empty counts as unset
+    }
+    from_env = settings_from_env(env)
+    assert from_env.port == 9001
+    assert from_env.max_body_bytes == 4096
+    assert from_env.redis_url is None
+    assert from_env.db_url == f"sqlite+aiosqlite:///{tmp_path / 'tiergate.db'}"
+    # A flag wins over the environment; a flag left out keeps it.
+    flagged = from_env.with_overrides(port=9002, host=None, data_dir=tmp_path / "other")
+    assert (flagged.port, flagged.host) == (9002, "127.0.0.1")
+    assert flagged.db_url.endswith("other/tiergate.db")
+    postgres = flagged.with_overrides(database_url="postgresql+asyncpg://u@h/db")
+    assert not postgres.is_embedded_db
+
+
+@pytest.mark.parametrize(
+    "env",
+    [{"TIERGATE_PORT": "eighty"}, {"TIERGATE_PORT": "70000"}, {"TIERGATE_DEVICE": "tpu"}],
+)
+def test_bad_settings_are_reported(env: dict[str, str]) -> None:
+    with pytest.raises(SettingsError):
+        settings_from_env(env)
+
+
+def test_bad_environment_exits_2_with_a_message(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("TIERGATE_PORT", "eighty")
+    assert main(["migrate"]) == 2
+    assert "TIERGATE_PORT" in capsys.readouterr().err
+
+
+def test_flags_mirror_settings(monkeypatch, tmp_path: Path) -> None:
+    from gateway.cli import _parser
+
+    monkeypatch.setenv("TIERGATE_PORT", "9100")
+    args = _parser().parse_args(
+        ["serve", "--data-dir", str(tmp_path), "--device", "cpu", "--max-body-bytes", "2048"]
+    )
+    settings = settings_from_args(args)
+    assert isinstance(settings, Settings)
+    assert (settings.port, settings.device, settings.max_body_bytes) == (9100, "cpu", 2048)
+    assert settings.data_dir == tmp_path
+
+
+def test_migrate_upgrades_the_configured_database(database_url: str) -> None:
+    result = _tiergate("migrate", "--database-url", database_url)
+    assert result.returncode == 0, result.stderr
+    assert current_revision(database_url) == head_revisions()[0]
+    assert "newest revision" in result.stdout
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_serve_demo_prints_working_keys(tmp_path: Path) -> None:
+    port = _free_port()
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "TIERGATE_DATA_DIR": str(tmp_path),
+        "TIERGATE_DEVICE": "cpu",
+        "TIERGATE_MAX_MODEL_LEN": "256",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "serve", "--demo", "--port", str(port)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        lines: list[str] = []
+        deadline = time.monotonic() + 120
+        assert proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "Application startup complete" in line:
+                break
+        output = "".join(lines)
+        keys = dict(re.findall(r"tier=(\w+)\s+(tg-[A-Za-z0-9_-]+)", output))
+        assert set(keys) == {"priority", "interactive", "batch"}, output
+        assert re.search(r"Admin token \(generated.*\): \S{20,}", output)
+        assert f"curl http://127.0.0.1:{port}/v1/chat/completions" in output
+        assert "from openai import OpenAI" in output
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key=keys["batch"], max_retries=0
+        )
+        reply = client.chat.completions.create(
+            model="tiny-random", messages=[{"role": "user", "content": "Hello"}], max_tokens=3
+        )
+        assert reply.service_tier == "batch"
+        assert reply.usage.completion_tokens >= 1
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    assert (tmp_path / "tiergate.db").is_file()
