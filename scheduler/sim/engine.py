@@ -41,6 +41,9 @@ class EngineMode:
 
     use_ranks: bool = True
     rank_preemption: bool = True
+    # The step scheduler's online cost model shrinks prefill to keep the tightest TPOT
+    # SLO; the baselines run without it, as vLLM does.
+    slo_budget: bool = True
 
 
 @dataclass
@@ -83,7 +86,7 @@ class SimEngine:
         self.block_manager = BlockManager(
             params.num_kv_blocks, params.block_size, enable_prefix_caching=False
         )
-        self.cost_model = StepCostModel()
+        self.cost_model = StepCostModel() if mode.slo_budget else None
         self.scheduler = StepScheduler(
             scheduler_config(params, max_model_len),
             self.block_manager,
@@ -148,7 +151,8 @@ class SimEngine:
             num_kv += end
             pairs += chunk.num_tokens * (chunk.start + (chunk.num_tokens + 1) / 2)
         duration_s = self.params.step_time_s(plan.num_batched_tokens, num_kv, pairs)
-        self.cost_model.observe(plan.num_batched_tokens, len(plan.chunks), duration_s)
+        if self.cost_model is not None:
+            self.cost_model.observe(plan.num_batched_tokens, len(plan.chunks), duration_s)
         self._plan = plan
         self.is_stepping = True
         self.num_steps += 1

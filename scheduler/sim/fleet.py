@@ -59,14 +59,14 @@ class PolicySpec:
 
 def policy_spec(name: str) -> PolicySpec:
     if name == "fcfs":
-        return PolicySpec(name, EngineMode(use_ranks=False, rank_preemption=False), False)
+        return PolicySpec(name, EngineMode(False, False, slo_budget=False), False)
     if name == "priority":
         # vLLM's priority mode: rank order everywhere, preemption only for KV.
-        return PolicySpec(name, EngineMode(use_ranks=True, rank_preemption=False), False)
+        return PolicySpec(name, EngineMode(True, False, slo_budget=False), False)
     if name == "vtc":
-        return PolicySpec(name, EngineMode(use_ranks=False, rank_preemption=False), False)
+        return PolicySpec(name, EngineMode(False, False, slo_budget=False), False)
     if name == "tiered":
-        return PolicySpec(name, EngineMode(use_ranks=True, rank_preemption=True), True)
+        return PolicySpec(name, EngineMode(True, True, slo_budget=True), True)
     raise SimulationError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
 
 

@@ -1,0 +1,248 @@
+"""`tiergate simulate`: what-if runs, the policy report, presets and calibration.
+
+The gateway's CLI registers this with `add_simulate_parser(subparsers)` and dispatches
+to `run(args)`; `python -m scheduler.sim.cli ...` runs it standalone.
+
+    tiergate simulate run --policy tiered --rate 30 --duration 60
+    tiergate simulate report --out sim-report
+    tiergate simulate presets [NAME]
+    tiergate simulate calibrate --samples steps.jsonl --base cpu-tiny --out mine.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from scheduler.sim.cost_model import (
+    PRESETS,
+    CostModelError,
+    fit_roofline,
+    load_params,
+    load_preset,
+    read_samples,
+    save_params,
+)
+from scheduler.sim.fleet import POLICIES, FleetSpec, SimOptions, SimulationError, simulate
+from scheduler.sim.suites import SUITES
+from scheduler.sim.targets import TargetConfig, run_experiment
+from scheduler.sim.workload import WorkloadError, three_tier_mix
+
+DEFAULT_PRESET = "h200-llama-3.1-8b"
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected numbers separated by commas: {text!r}") from exc
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError("expected positive numbers")
+    return values
+
+
+def _names(allowed: tuple[str, ...]) -> Any:
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(x.strip() for x in text.split(",") if x.strip())
+        unknown = [n for n in names if n not in allowed]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"choose from {', '.join(allowed)}")
+        return names
+
+    return parse
+
+
+def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add `simulate` (with its own subcommands) to an argparse subparsers object."""
+    parser = subparsers.add_parser(
+        "simulate",
+        help="discrete-event simulation of the real policy at fleet scale",
+        description="Run the real queue policy and engine step scheduler on a virtual clock.",
+    )
+    sub = parser.add_subparsers(dest="simulate_command", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--preset", default=DEFAULT_PRESET, help=f"one of {', '.join(PRESETS)}, or a JSON file"
+        )
+        p.add_argument("--engines", type=int, default=1, help="number of simulated engines")
+        p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
+        p.add_argument("--seed", type=int, default=0)
+
+    one = sub.add_parser("run", help="one policy, one load, per-tier numbers")
+    common(one)
+    one.add_argument("--policy", choices=POLICIES, default="tiered")
+    one.add_argument("--rate", type=float, required=True, help="offered requests per second")
+    one.add_argument(
+        "--drain", type=float, default=120.0, help="seconds to run after arrivals stop"
+    )
+    one.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    rep = sub.add_parser(
+        "report", help="all policies over a load sweep, the suites and the targets"
+    )
+    common(rep)
+    rep.add_argument("--loads", type=_floats, default=(0.5, 0.7, 0.9, 1.0, 1.1, 1.25, 1.5))
+    rep.add_argument("--policies", type=_names(POLICIES), default=POLICIES)
+    rep.add_argument("--suites", type=_names(SUITES), default=SUITES)
+    rep.add_argument("--suite-duration", type=float, default=40.0)
+    rep.add_argument(
+        "--capacity", type=float, default=None, help="1.0x in requests/s (skips the search)"
+    )
+    rep.add_argument("--drain", type=float, default=120.0)
+    rep.add_argument("--out", type=Path, default=Path("sim-report"))
+    rep.add_argument("--no-plots", action="store_true")
+
+    pre = sub.add_parser("presets", help="list the presets, or print one as JSON")
+    pre.add_argument("name", nargs="?", choices=PRESETS)
+
+    cal = sub.add_parser("calibrate", help="fit overhead and efficiencies to measured steps")
+    cal.add_argument(
+        "--samples",
+        type=Path,
+        required=True,
+        help="JSON lines: num_batched_tokens, num_kv_tokens, step_s",
+    )
+    cal.add_argument(
+        "--base", default="cpu-tiny", help="preset or file giving the hardware numbers"
+    )
+    cal.add_argument("--out", type=Path, required=True)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Execute a parsed `simulate` command; returns the process exit status."""
+    try:
+        if args.simulate_command == "presets":
+            return _presets(args)
+        if args.simulate_command == "calibrate":
+            return _calibrate(args)
+        if args.simulate_command == "run":
+            return _run_one(args)
+        if args.simulate_command == "report":
+            return _report(args)
+    except (CostModelError, SimulationError, WorkloadError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"error: unknown command {args.simulate_command!r}", file=sys.stderr)
+    return 2
+
+
+def _presets(args: argparse.Namespace) -> int:
+    if args.name:
+        print(json.dumps(load_preset(args.name).to_dict(), indent=2))
+    else:
+        for name in PRESETS:
+            print(f"{name}: {load_preset(name).description}")
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    base = load_params(args.base)
+    samples = read_samples(args.samples.read_text(encoding="utf-8").splitlines())
+    result = fit_roofline(base, samples)
+    save_params(result.params, args.out)
+    p = result.params
+    print(
+        f"fitted {result.num_samples} steps: overhead {p.overhead_s * 1000:.3f} ms, "
+        f"memory efficiency {p.memory_efficiency:.3f}, compute efficiency "
+        f"{p.compute_efficiency:.3f}; mean error {result.mean_abs_rel_error:.1%} -> {args.out}"
+    )
+    return 0
+
+
+def _positive(args: argparse.Namespace, *names: str) -> None:
+    for name in names:
+        if getattr(args, name) <= 0:
+            raise SimulationError(f"--{name} must be > 0")
+
+
+def _run_one(args: argparse.Namespace) -> int:
+    _positive(args, "engines", "duration", "rate")
+    params = load_params(args.preset)
+    spec = three_tier_mix(args.rate, args.duration, seed=args.seed)
+    started = time.perf_counter()
+    result = simulate(
+        spec, args.policy, FleetSpec(params, args.engines), SimOptions(drain_s=args.drain)
+    )
+    stats = result.stats
+    if args.json:
+        print(json.dumps(stats.to_dict(), indent=2))
+        return 0
+    print(
+        f"{args.policy} on {args.engines} x {params.name}, "
+        f"{args.rate:g} req/s for {args.duration:g} s: "
+        f"{stats.output_tokens_per_s:.0f} tokens/s, {stats.num_preemptions} preemptions, "
+        f"{stats.num_steps} steps in {time.perf_counter() - started:.1f} s wall"
+    )
+    heads = ("TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99")
+    print(
+        f"{'tier':12} {'offered':>8} {'attain':>7} " + " ".join(f"{h:>9}" for h in heads),
+        " rejections",
+    )
+    for name, t in sorted(stats.tiers.items()):
+
+        def ms(v: float | None) -> str:
+            return "-" if v is None else f"{v:.0f}"
+
+        att = "-" if t.attainment is None else f"{t.attainment:.1%}"
+        print(
+            f"{name:12} {t.num_offered:>8} {att:>7} {ms(t.ttft_p50_ms):>9} {ms(t.ttft_p99_ms):>9} "
+            f"{ms(t.tpot_p50_ms):>9} {ms(t.tpot_p99_ms):>9}  {t.rejections or ''}"
+        )
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from scheduler.sim.report import write_report
+
+    _positive(args, "engines", "duration", "suite_duration", "drain")
+    config = TargetConfig(
+        load_params(args.preset),
+        num_engines=args.engines,
+        duration_s=args.duration,
+        drain_s=args.drain,
+        load_factors=tuple(sorted(set(args.loads) | {1.0, 1.5})),
+        seed=args.seed,
+        suite_duration_s=args.suite_duration,
+        policies=tuple(dict.fromkeys(("fcfs", "tiered", *args.policies))),
+        capacity_rate_per_s=args.capacity,
+    )
+    started = time.perf_counter()
+    experiment = run_experiment(
+        config, suites=args.suites, on_progress=lambda msg: print(msg, file=sys.stderr, flush=True)
+    )
+    command = " ".join(
+        [
+            "tiergate simulate report",
+            f"--preset {shlex.quote(str(args.preset))} --engines {args.engines}",
+            f"--duration {args.duration:g} --drain {args.drain:g} --seed {args.seed}",
+            "--loads " + ",".join(f"{x:g}" for x in config.load_factors),
+            "--policies " + ",".join(config.policies),
+            "--suites " + ",".join(args.suites) + f" --suite-duration {args.suite_duration:g}",
+            f"--capacity {args.capacity:g}" if args.capacity else "",
+            f"--out {shlex.quote(str(args.out))}",
+        ]
+    ).strip()
+    paths = write_report(experiment, args.out, command=command, plots=not args.no_plots)
+    for target in experiment.targets:
+        print(f"target {target.number}: {'pass' if target.passed else 'FAIL'}  {target.value}")
+    print(f"wrote {', '.join(str(p) for p in paths)} in {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m scheduler.sim.cli run ...` is `tiergate simulate run ...`."""
+    parser = argparse.ArgumentParser(prog="tiergate")
+    add_simulate_parser(parser.add_subparsers(dest="command", required=True))
+    args = sys.argv[1:] if argv is None else argv
+    return run(parser.parse_args(["simulate", *args]))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,213 @@
+"""The experiment as Markdown for people, JSON for machines and PNG plots.
+
+matplotlib is imported only inside `write_plots` (the `sim` extra), so the simulator
+itself needs nothing beyond the standard library.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from scheduler.sim.metrics import RunStats
+from scheduler.sim.targets import LATENCY_TIERS, Experiment, goodput_at_90, latency_goodput
+
+
+def _pct(value: float | None) -> str:
+    return "–" if value is None else f"{value:.1%}"
+
+
+def _ms(value: float | None) -> str:
+    return "–" if value is None else f"{value:.0f}"
+
+
+def _tier_rows(policy: str, load: float, stats: RunStats) -> list[str]:
+    rows = []
+    for name, t in sorted(stats.tiers.items(), key=lambda kv: kv[0]):
+        rejections = ", ".join(f"{c} {n}" for c, n in sorted(t.rejections.items())) or "–"
+        rows.append(
+            f"| {policy} | {load:g}x | {name} | {t.num_offered} | {_pct(t.attainment)} | "
+            f"{_pct(t.admitted_attainment)} | {t.goodput_per_s:.2f} | {_ms(t.ttft_p50_ms)} | "
+            f"{_ms(t.ttft_p99_ms)} | {_ms(t.tpot_p50_ms)} | {_ms(t.tpot_p99_ms)} | {rejections} |"
+        )
+    return rows
+
+
+def render_markdown(experiment: Experiment, *, command: str = "") -> str:
+    config = experiment.config
+    params = config.params
+    lines = [
+        "# tiergate simulate: policy comparison",
+        "",
+        f"- Preset: `{params.name}` ({params.description or 'custom'}), "
+        f"{config.num_engines} engine(s)",
+        f"- Workload: three-tier mix (priority / interactive / batch), {config.duration_s:g} s of "
+        f"arrivals + {config.drain_s:g} s drain, seed {config.seed}",
+        f"- 1.0x load = {experiment.capacity_rate_per_s:.2f} requests/s, the rate at which FCFS "
+        "keeps 90% interactive attainment",
+    ]
+    if command:
+        lines += ["", "Reproduce with:", "", "```bash", command, "```"]
+    if experiment.targets:
+        lines += [
+            "",
+            "## Targets",
+            "",
+            "| # | target | obtained | threshold | result |",
+            "|---|---|---|---|---|",
+        ]
+        for t in experiment.targets:
+            verdict = "**pass**" if t.passed else "**FAIL**"
+            lines.append(f"| {t.number} | {t.name} | {t.value} | {t.threshold} | {verdict} |")
+    lines += [
+        "",
+        "## Load sweep",
+        "",
+        "Attainment counts refused requests as misses; goodput is requests/s of priority + "
+        "interactive finishing within SLO.",
+        "",
+        "| policy | load | priority attainment | interactive attainment | batch attainment | "
+        "latency goodput (req/s) | tokens/s | preemptions | recomputed tokens |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for policy, points in experiment.sweep.items():
+        for load, stats in sorted(points.items()):
+            att = {
+                t: stats.tiers[t].attainment if t in stats.tiers else None
+                for t in ("priority", "interactive", "batch")
+            }
+            lines.append(
+                f"| {policy} | {load:g}x | {_pct(att['priority'])} | {_pct(att['interactive'])} | "
+                f"{_pct(att['batch'])} | {latency_goodput(stats):.2f} | "
+                f"{stats.output_tokens_per_s:.0f} | {stats.num_preemptions} | "
+                f"{stats.num_recomputed_tokens} |"
+            )
+    lines += [
+        "",
+        "Goodput at the highest load keeping 90% attainment (priority and interactive):",
+        "",
+    ]
+    for policy, points in experiment.sweep.items():
+        load, good = goodput_at_90(points)
+        lines.append(f"- {policy}: {good:.2f} req/s at {load:g}x")
+    lines += [
+        "",
+        "## Per tier at 1.0x and 1.5x",
+        "",
+        "| policy | load | tier | offered | attainment | admitted attainment | goodput (req/s) | "
+        "TTFT P50 ms | TTFT P99 ms | TPOT P50 ms | TPOT P99 ms | rejections |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for policy, points in experiment.sweep.items():
+        for load in (1.0, 1.5):
+            if load in points:
+                lines += _tier_rows(policy, load, points[load])
+    lines += [
+        "",
+        "## Fairness among backlogged tenants of a tier (three-tier mix at 1.5x)",
+        "",
+        "| policy | tier | tenants | Jain's index | largest weighted service gap (tokens) |",
+        "|---|---|---|---|---|",
+    ]
+    for policy, points in experiment.sweep.items():
+        if 1.5 not in points:
+            continue
+        for tier, f in sorted(points[1.5].fairness.items()):
+            jain = "–" if f.jain_index is None else f"{f.jain_index:.4f}"
+            lines.append(
+                f"| {policy} | {tier} | {len(f.tenants)} | {jain} | {f.max_gap_tokens:.0f} |"
+            )
+    if experiment.suites:
+        lines += [
+            "",
+            "## Fairness suites",
+            "",
+            "| suite | policy | metric | value | target | result |",
+            "|---|---|---|---|---|---|",
+        ]
+        for s in experiment.suites:
+            verdict = "pass" if s.passed else "fail"
+            lines.append(
+                f"| {s.suite} | {s.policy} | {s.metric} | {s.value:.4f} | {s.target} | {verdict} |"
+            )
+    lines.append("")
+    return "\n".join(lines)
+
+
+def to_json(experiment: Experiment) -> str:
+    data = {
+        "preset": experiment.config.params.to_dict(),
+        "num_engines": experiment.config.num_engines,
+        "duration_s": experiment.config.duration_s,
+        "seed": experiment.config.seed,
+        "capacity_rate_per_s": experiment.capacity_rate_per_s,
+        "targets": [asdict(t) for t in experiment.targets],
+        "sweep": {
+            policy: {f"{load:g}": stats.to_dict() for load, stats in sorted(points.items())}
+            for policy, points in experiment.sweep.items()
+        },
+        "suites": [asdict(s) for s in experiment.suites],
+    }
+    return json.dumps(data, indent=2)
+
+
+def write_plots(experiment: Experiment, out_dir: Path) -> list[Path]:
+    """attainment.png (priority and interactive attainment) and goodput.png against
+    load, one line per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never open a window
+    from matplotlib import pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    fig, axes = plt.subplots(1, len(LATENCY_TIERS), figsize=(11, 4), sharey=True)
+    for ax, tier in zip(axes, LATENCY_TIERS, strict=True):
+        for policy, points in experiment.sweep.items():
+            loads = sorted(points)
+            values = [
+                points[x].tiers[tier].attainment if tier in points[x].tiers else None for x in loads
+            ]
+            ax.plot(loads, values, marker="o", label=policy)
+        ax.axhline(0.9, color="grey", linestyle=":", linewidth=1)
+        ax.set_title(f"{tier} SLO attainment")
+        ax.set_xlabel("load (x FCFS 90% capacity)")
+        ax.set_ylim(0, 1.02)
+    axes[0].set_ylabel("attainment of offered requests")
+    axes[0].legend()
+    fig.tight_layout()
+    path = out_dir / "attainment.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    paths.append(path)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for policy, points in experiment.sweep.items():
+        loads = sorted(points)
+        ax.plot(loads, [latency_goodput(points[x]) for x in loads], marker="o", label=policy)
+    ax.set_title("goodput of priority + interactive")
+    ax.set_xlabel("load (x FCFS 90% capacity)")
+    ax.set_ylabel("requests/s within SLO")
+    ax.legend()
+    fig.tight_layout()
+    path = out_dir / "goodput.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    paths.append(path)
+    return paths
+
+
+def write_report(
+    experiment: Experiment, out_dir: Path, *, command: str = "", plots: bool = True
+) -> list[Path]:
+    """report.md, report.json and (with plots) the PNGs in out_dir."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md = out_dir / "report.md"
+    md.write_text(render_markdown(experiment, command=command), encoding="utf-8")
+    js = out_dir / "report.json"
+    js.write_text(to_json(experiment) + "\n", encoding="utf-8")
+    paths = [md, js]
+    if plots:
+        paths += write_plots(experiment, out_dir)
+    return paths
