@@ -82,6 +82,7 @@ class UsageWriter:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._flush_lock = asyncio.Lock()
+        self._is_closing = False
         self._num_in_flight = 0
         self._num_failed_flushes = 0  # consecutive; logs the first in full, then a line
         self.num_written = 0
@@ -109,13 +110,20 @@ class UsageWriter:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="tiergate-usage-writer")
 
-    async def aclose(self) -> None:
-        """Stop the flusher and write everything still buffered."""
+    async def aclose(self, *, timeout_s: float = 10.0) -> None:
+        """Stop the flusher and write everything still buffered.
+
+        The flusher is asked to stop rather than cancelled, so a batch being written is
+        never cut off half way (and lost, or written twice).
+        """
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            self._is_closing = True
+            self._wake.set()
+            try:
+                await asyncio.wait_for(task, timeout_s)
+            except TimeoutError:
+                log.error("usage writer did not stop within %.1f s", timeout_s)
         while self._buffer:
             if not await self.flush():
                 log.error("usage writer closed with %d records unwritten", len(self._buffer))
@@ -150,11 +158,11 @@ class UsageWriter:
             return True
 
     async def _run(self) -> None:
-        while True:
+        while not self._is_closing:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self._flush_interval_s)
             self._wake.clear()
-            while self._buffer:
+            while self._buffer and not self._is_closing:
                 if not await self.flush():
                     break  # wait an interval before retrying a failing database
                 if len(self._buffer) < self._max_batch:

@@ -91,13 +91,12 @@ async def test_database_down_keeps_records_and_retries(database_url) -> None:
     engine = create_db_engine(database_url)
     sessionmaker = create_sessionmaker(engine)
     try:
-        writer = UsageWriter(sessionmaker, flush_interval_s=0.02, max_batch=4)
-        await writer.start()
+        writer = UsageWriter(sessionmaker, max_batch=4)
         for i in range(6):
             writer.record(_record(i))
-        await asyncio.sleep(0.1)
-        assert writer.num_written == 0
-        assert writer.num_pending == 6
+        assert await writer.flush() is False
+        assert await writer.flush() is False  # the same (oldest) batch again, not the next
+        assert (writer.num_written, writer.num_pending) == (0, 6)
 
         await engine.dispose()  # let the migration take the SQLite file
         await asyncio.to_thread(upgrade_to_head, database_url)
@@ -106,6 +105,17 @@ async def test_database_down_keeps_records_and_retries(database_url) -> None:
         assert [r.request_id for r in rows] == [f"req_{i}" for i in range(6)]
     finally:
         await engine.dispose()
+
+
+async def test_close_waits_for_the_batch_being_written(db_sessionmaker) -> None:
+    writer = UsageWriter(db_sessionmaker, flush_interval_s=0.001, max_batch=1)
+    await writer.start()
+    for i in range(50):
+        writer.record(_record(i))
+    await asyncio.sleep(0.01)  # the flusher is mid-way through the records
+    await writer.aclose()
+    rows = await _rows(db_sessionmaker)
+    assert sorted(r.request_id for r in rows) == sorted(f"req_{i}" for i in range(50))
 
 
 async def test_buffer_is_bounded(db_sessionmaker) -> None:
