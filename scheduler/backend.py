@@ -169,7 +169,15 @@ class QueueBackend(Protocol):
 
     async def depth(self) -> dict[str, TierDepth]: ...
 
-    async def work_ahead(self, tier: str, tenant_id: str, weight: float) -> WorkAhead: ...
+    async def counters(self, tier: str) -> dict[str, float]:
+        """Every known tenant's virtual token counter in a tier (for fairness reports)."""
+        ...
+
+    async def work_ahead(
+        self, tier: str, tenant_id: str, weight: float, num_prompt_tokens: int = 0
+    ) -> WorkAhead:
+        """Queued work the policy would serve before a new job of this tenant."""
+        ...
 
     async def publish_tokens(
         self, job_id: str, worker_id: str, token_ids: Sequence[int], text: str = ""

@@ -104,6 +104,9 @@ class KeySpace:
     def active(self, tier: str) -> str:
         return self._key("active", tier)
 
+    def counters(self, tier: str) -> str:
+        return self._key("vtc", tier)
+
     def queued_prefill(self, tier: str) -> str:
         return self._key("qprefill", tier)
 

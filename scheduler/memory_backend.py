@@ -402,6 +402,10 @@ class MemoryBackend:
             if tier.num_jobs
         }
 
+    async def counters(self, tier: str) -> dict[str, float]:
+        known = self._tiers.get(tier)
+        return {} if known is None else dict(known.counters)
+
     async def work_ahead(
         self, tier: str, tenant_id: str, weight: float, num_prompt_tokens: int = 0
     ) -> WorkAhead:

@@ -253,6 +253,11 @@ class RedisBackend:
                 )
         return out
 
+    async def counters(self, tier: str) -> dict[str, float]:
+        with unavailable_as_error():
+            raw = await self._redis.hgetall(self._keys.counters(tier))
+        return {tenant: float(value) for tenant, value in raw.items()}
+
     async def work_ahead(
         self, tier: str, tenant_id: str, weight: float, num_prompt_tokens: int = 0
     ) -> WorkAhead:
