@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Mapping
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -30,11 +31,17 @@ def request_id_of(scope: Scope) -> str:
 
 
 class GatewayMiddleware:
-    """Assigns x-request-id, enforces max_body_bytes (413), turns escaped errors into JSON."""
+    """Assigns x-request-id, enforces max_body_bytes (413), turns escaped errors into JSON.
 
-    def __init__(self, app: ASGIApp, *, max_body_bytes: int) -> None:
+    `upload_limits` gives paths that take file uploads (POST /v1/files) their own limit.
+    """
+
+    def __init__(
+        self, app: ASGIApp, *, max_body_bytes: int, upload_limits: Mapping[str, int] | None = None
+    ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.upload_limits = dict(upload_limits or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -57,10 +64,11 @@ class GatewayMiddleware:
             await send(message)
 
         try:
+            limit = self.upload_limits.get(scope.get("path", ""), self.max_body_bytes)
             declared = _content_length(scope)
-            if declared is not None and declared > self.max_body_bytes:
-                raise _too_large(self.max_body_bytes)
-            await self.app(scope, self._limited(receive), send_with_id)
+            if declared is not None and declared > limit:
+                raise _too_large(limit)
+            await self.app(scope, self._limited(receive, limit), send_with_id)
         except Exception as exc:
             if response_started:
                 # Too late for a status code; the server closes the connection.
@@ -69,9 +77,8 @@ class GatewayMiddleware:
             response = error_response(exc, request_id=request_id)
             await response(scope, receive, send)
 
-    def _limited(self, receive: Receive) -> Receive:
+    def _limited(self, receive: Receive, limit: int) -> Receive:
         """Wrap receive so a body without (or lying about) content-length is still capped."""
-        limit = self.max_body_bytes
         num_bytes = 0
 
         async def receive_limited() -> Message:

@@ -38,6 +38,12 @@ class Settings:
     max_model_len: int | None = None  # None: the model's own context length
     auth_cache_ttl_s: float = 5.0
     usage_flush_interval_s: float = 0.5
+    # Batch API: the upload cap of POST /v1/files, a batch's input limits, and how long
+    # a dead gateway's batches wait before another gateway takes them over.
+    max_file_bytes: int = 512 * 1024 * 1024
+    batch_max_input_bytes: int = 200 * 1024 * 1024
+    batch_max_lines: int = 50_000
+    batch_lease_s: float = 10.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir))
@@ -79,6 +85,10 @@ _ENV: dict[str, tuple[str, type]] = {
     "TIERGATE_MAX_BODY_BYTES": ("max_body_bytes", int),
     "TIERGATE_KV_CACHE_BYTES": ("kv_cache_bytes", int),
     "TIERGATE_MAX_MODEL_LEN": ("max_model_len", int),
+    "TIERGATE_MAX_FILE_BYTES": ("max_file_bytes", int),
+    "TIERGATE_BATCH_MAX_INPUT_BYTES": ("batch_max_input_bytes", int),
+    "TIERGATE_BATCH_MAX_LINES": ("batch_max_lines", int),
+    "TIERGATE_BATCH_LEASE_S": ("batch_lease_s", float),
 }
 
 
