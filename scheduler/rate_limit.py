@@ -1,0 +1,304 @@
+"""Per-tenant rate limits: RPM and TPM token buckets and a concurrency cap.
+
+`reserve` atomically takes one request and prompt + max_tokens tokens (and a concurrency
+slot) or refuses without taking anything; `release` at completion frees the slot and
+refunds the tokens reserved but not used. Concurrent reservations never overshoot: the
+memory limiter runs each decision without yielding, the Redis one in one Lua script.
+
+Levels are integers in 1/60000 of a token (or request), so a limit of L per minute refills
+exactly L units per ms and the wait reported in a refusal is exact: retrying after
+`retry_after_ms` passes (absent other traffic), retrying 1 ms earlier does not.
+A reservation lapses after `hold_ms` so a crashed gateway cannot leak concurrency.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import redis.asyncio as aioredis
+
+from scheduler.keys import KeySpace
+from scheduler.redis_backend import load_script_source, unavailable_as_error
+
+UNITS_PER_TOKEN = 60_000  # one token (or request) in bucket units; ms per minute
+DEFAULT_HOLD_MS = 600_000
+
+LimitName = Literal["requests", "tokens", "concurrency"]
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    """A tenant's effective limits (tier defaults with its overrides); None = unlimited."""
+
+    rpm: int | None = None
+    tpm: int | None = None
+    max_concurrency: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("rpm", "tpm", "max_concurrency"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ValueError(f"{name} must be an integer >= 1 or None")
+
+
+@dataclass(frozen=True)
+class RateLimitStatus:
+    """Where a tenant's buckets stand, for the x-ratelimit-* response headers."""
+
+    limit_requests: int | None
+    remaining_requests: int | None
+    reset_requests_ms: int | None  # until the bucket is full again
+    limit_tokens: int | None
+    remaining_tokens: int | None
+    reset_tokens_ms: int | None
+
+    def headers(self) -> dict[str, str]:
+        """`x-ratelimit-{limit,remaining,reset}-{requests,tokens}` for the limits that exist."""
+        out: dict[str, str] = {}
+        for kind in ("requests", "tokens"):
+            limit = getattr(self, f"limit_{kind}")
+            if limit is None:
+                continue
+            out[f"x-ratelimit-limit-{kind}"] = str(limit)
+            out[f"x-ratelimit-remaining-{kind}"] = str(getattr(self, f"remaining_{kind}"))
+            out[f"x-ratelimit-reset-{kind}"] = format_duration_ms(getattr(self, f"reset_{kind}_ms"))
+        return out
+
+
+def format_duration_ms(ms: int) -> str:
+    """OpenAI's reset format: 20ms, 1.5s, 6m0s."""
+    if ms < 1000:
+        return f"{ms}ms"
+    minutes, ms_left = divmod(ms, 60_000)
+    seconds = f"{ms_left / 1000:.3f}".rstrip("0").rstrip(".")
+    return f"{minutes}m{seconds}s" if minutes else f"{seconds}s"
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """What `reserve` took; hand it back to `release` when the request ends."""
+
+    reservation_id: str
+    tenant_id: str
+    num_tokens: int
+    limits: TenantLimits
+    status: RateLimitStatus
+
+
+class RateLimitExceededError(Exception):
+    """A refusal: `limit` says which; `retry_after_ms` is the real wait until the same
+    request would pass (None when waiting alone cannot help: the request is larger than
+    the TPM limit, or the tenant is at its concurrency cap until a request ends)."""
+
+    def __init__(
+        self, limit: LimitName, retry_after_ms: int | None, status: RateLimitStatus, message: str
+    ) -> None:
+        super().__init__(message)
+        self.limit = limit
+        self.retry_after_ms = retry_after_ms
+        self.status = status
+        self.message = message
+
+
+@dataclass
+class _Bucket:
+    req: int = 0
+    tok: int = 0
+    ts_ms: int | None = None
+    inflight: dict[str, int] = field(default_factory=dict)  # reservation id -> lapses at ms
+
+
+def _status(limits: TenantLimits, req: int, tok: int) -> RateLimitStatus:
+    def view(limit: int | None, level: int) -> tuple[int | None, int | None, int | None]:
+        if limit is None:
+            return None, None, None
+        return limit, level // UNITS_PER_TOKEN, -(-(limit * UNITS_PER_TOKEN - level) // limit)
+
+    return RateLimitStatus(*view(limits.rpm, req), *view(limits.tpm, tok))
+
+
+def _refused(
+    outcome: str, wait_ms: int, limits: TenantLimits, num_tokens: int, status: RateLimitStatus
+) -> RateLimitExceededError:
+    if outcome == "too_large":
+        return RateLimitExceededError(
+            "tokens",
+            None,
+            status,
+            f"Request too large: {num_tokens} tokens (prompt + max_tokens) exceed the limit of "
+            f"{limits.tpm} tokens per minute.",
+        )
+    if outcome == "concurrency":
+        return RateLimitExceededError(
+            "concurrency",
+            None,
+            status,
+            f"Too many concurrent requests (limit {limits.max_concurrency}).",
+        )
+    per_minute = limits.rpm if outcome == "requests" else limits.tpm
+    return RateLimitExceededError(
+        outcome,  # type: ignore[arg-type]
+        wait_ms,
+        status,
+        f"Rate limit reached for {outcome} per minute (limit {per_minute}); retry in {wait_ms} ms.",
+    )
+
+
+def wall_clock_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class MemoryRateLimiter:
+    """Rate limits for a single process."""
+
+    def __init__(self, *, clock_ms: Callable[[], int] = wall_clock_ms) -> None:
+        self._clock_ms = clock_ms
+        self._buckets: dict[str, _Bucket] = {}
+
+    async def reserve(
+        self,
+        tenant_id: str,
+        limits: TenantLimits,
+        num_tokens: int,
+        *,
+        reservation_id: str | None = None,
+        hold_ms: int = DEFAULT_HOLD_MS,
+    ) -> Reservation:
+        """Take one request and `num_tokens` tokens, or raise RateLimitExceededError."""
+        now = self._clock_ms()
+        rid = reservation_id or uuid.uuid4().hex
+        b = self._buckets.setdefault(tenant_id, _Bucket())
+        for key in [k for k, until in b.inflight.items() if until <= now]:
+            del b.inflight[key]
+        rpm, tpm, max_conc = limits.rpm or 0, limits.tpm or 0, limits.max_concurrency or 0
+        elapsed = 0 if b.ts_ms is None else max(0, now - b.ts_ms)
+        req = min(
+            rpm * UNITS_PER_TOKEN,
+            (rpm * UNITS_PER_TOKEN if b.ts_ms is None else b.req) + elapsed * rpm,
+        )
+        tok = min(
+            tpm * UNITS_PER_TOKEN,
+            (tpm * UNITS_PER_TOKEN if b.ts_ms is None else b.tok) + elapsed * tpm,
+        )
+        outcome, wait = "ok", 0
+        cost = num_tokens * UNITS_PER_TOKEN
+        if tpm and num_tokens > tpm:
+            outcome = "too_large"
+        elif max_conc and len(b.inflight) >= max_conc:
+            outcome = "concurrency"
+        else:
+            req_wait = -(-(UNITS_PER_TOKEN - req) // rpm) if rpm and req < UNITS_PER_TOKEN else 0
+            tok_wait = -(-(cost - tok) // tpm) if tpm and tok < cost else 0
+            if req_wait or tok_wait:
+                outcome = "requests" if req_wait >= tok_wait else "tokens"
+                wait = max(req_wait, tok_wait)
+        if outcome != "ok":
+            raise _refused(outcome, wait, limits, num_tokens, _status(limits, req, tok))
+        b.req = req - UNITS_PER_TOKEN if rpm else req
+        b.tok = tok - cost if tpm else tok
+        b.ts_ms = now
+        b.inflight[rid] = now + hold_ms
+        return Reservation(rid, tenant_id, num_tokens, limits, _status(limits, b.req, b.tok))
+
+    async def release(self, reservation: Reservation, num_used_tokens: int) -> bool:
+        """Free the concurrency slot and refund unused tokens; False if already released."""
+        b = self._buckets.get(reservation.tenant_id)
+        if b is None or b.inflight.pop(reservation.reservation_id, None) is None:
+            return False
+        if b.ts_ms is None:
+            return True
+        now = self._clock_ms()
+        rpm, tpm = reservation.limits.rpm or 0, reservation.limits.tpm or 0
+        refund = max(0, reservation.num_tokens - num_used_tokens) * UNITS_PER_TOKEN
+        elapsed = max(0, now - b.ts_ms)
+        b.req = min(rpm * UNITS_PER_TOKEN, b.req + elapsed * rpm)
+        b.tok = min(tpm * UNITS_PER_TOKEN, b.tok + elapsed * tpm + refund)
+        b.ts_ms = now
+        return True
+
+
+class RedisRateLimiter:
+    """Rate limits shared by every gateway through Redis (one Lua script per operation)."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        *,
+        keys: KeySpace | None = None,
+        clock_ms: Callable[[], int] = wall_clock_ms,
+    ) -> None:
+        self._keys = keys or KeySpace()
+        self._clock_ms = clock_ms
+        self._reserve = client.register_script(
+            load_script_source("rate_reserve", with_queue_lib=False)
+        )
+        self._release = client.register_script(
+            load_script_source("rate_release", with_queue_lib=False)
+        )
+
+    async def reserve(
+        self,
+        tenant_id: str,
+        limits: TenantLimits,
+        num_tokens: int,
+        *,
+        reservation_id: str | None = None,
+        hold_ms: int = DEFAULT_HOLD_MS,
+    ) -> Reservation:
+        """Take one request and `num_tokens` tokens, or raise RateLimitExceededError."""
+        rid = reservation_id or uuid.uuid4().hex
+        with unavailable_as_error():
+            outcome, wait, req, tok, _ = await self._reserve(
+                keys=[],
+                args=[
+                    self._keys.prefix,
+                    self._clock_ms(),
+                    tenant_id,
+                    limits.rpm or 0,
+                    limits.tpm or 0,
+                    limits.max_concurrency or 0,
+                    int(num_tokens),
+                    rid,
+                    hold_ms,
+                ],
+            )
+        status = _status(limits, int(req), int(tok))
+        if outcome != "ok":
+            raise _refused(outcome, int(wait), limits, num_tokens, status)
+        return Reservation(rid, tenant_id, num_tokens, limits, status)
+
+    async def release(self, reservation: Reservation, num_used_tokens: int) -> bool:
+        """Free the concurrency slot and refund unused tokens; False if already released."""
+        refund = max(0, reservation.num_tokens - num_used_tokens)
+        with unavailable_as_error():
+            released = await self._release(
+                keys=[],
+                args=[
+                    self._keys.prefix,
+                    self._clock_ms(),
+                    reservation.tenant_id,
+                    reservation.limits.rpm or 0,
+                    reservation.limits.tpm or 0,
+                    reservation.reservation_id,
+                    refund,
+                ],
+            )
+        return bool(released)
+
+
+__all__ = [
+    "DEFAULT_HOLD_MS",
+    "MemoryRateLimiter",
+    "RateLimitExceededError",
+    "RateLimitStatus",
+    "RedisRateLimiter",
+    "Reservation",
+    "TenantLimits",
+    "format_duration_ms",
+]

@@ -1,0 +1,121 @@
+"""Rate limits, run against both limiters (in-memory and a real Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from scheduler.rate_limit import (
+    MemoryRateLimiter,
+    RateLimitExceededError,
+    RedisRateLimiter,
+    TenantLimits,
+    format_duration_ms,
+)
+
+
+@pytest.fixture(params=["memory", "redis"])
+def limiter(request, clock, redis_client, keys):
+    if request.param == "memory":
+        return MemoryRateLimiter(clock_ms=clock)
+    return RedisRateLimiter(redis_client, keys=keys, clock_ms=clock)
+
+
+async def test_concurrent_reservations_never_overshoot(limiter) -> None:
+    limits = TenantLimits(rpm=10_000, tpm=1_000)
+
+    async def attempt() -> bool:
+        try:
+            await limiter.reserve("t", limits, 30)
+        except RateLimitExceededError:
+            return False
+        return True
+
+    outcomes = await asyncio.gather(*(attempt() for _ in range(100)))
+    assert sum(outcomes) == 1_000 // 30
+
+
+async def test_retry_after_is_the_real_wait(limiter, clock) -> None:
+    limits = TenantLimits(tpm=600)  # 0.01 tokens per ms
+    await limiter.reserve("t", limits, 600)
+    with pytest.raises(RateLimitExceededError) as refused:
+        await limiter.reserve("t", limits, 100)
+    assert refused.value.limit == "tokens"
+    assert refused.value.retry_after_ms == 10_000
+    clock.advance(9_999)
+    with pytest.raises(RateLimitExceededError) as again:
+        await limiter.reserve("t", limits, 100)
+    assert again.value.retry_after_ms == 1
+    clock.advance(1)
+    await limiter.reserve("t", limits, 100)
+
+
+async def test_requests_per_minute(limiter, clock) -> None:
+    limits = TenantLimits(rpm=2)
+    await limiter.reserve("t", limits, 1)
+    await limiter.reserve("t", limits, 1)
+    with pytest.raises(RateLimitExceededError) as refused:
+        await limiter.reserve("t", limits, 1)
+    assert (refused.value.limit, refused.value.retry_after_ms) == ("requests", 30_000)
+    clock.advance(30_000)
+    await limiter.reserve("t", limits, 1)
+
+
+async def test_release_refunds_unused_tokens_once(limiter) -> None:
+    limits = TenantLimits(tpm=600)
+    reservation = await limiter.reserve("t", limits, 500)
+    assert reservation.status.remaining_tokens == 100
+    assert await limiter.release(reservation, 100)
+    assert not await limiter.release(reservation, 0)
+    second = await limiter.reserve("t", limits, 500)
+    assert second.status.remaining_tokens == 0
+    with pytest.raises(RateLimitExceededError):
+        await limiter.reserve("t", limits, 1)
+
+
+async def test_concurrency_cap_and_lapsed_reservations(limiter, clock) -> None:
+    limits = TenantLimits(max_concurrency=2)
+    first = await limiter.reserve("t", limits, 10)
+    await limiter.reserve("t", limits, 10, hold_ms=1_000)
+    with pytest.raises(RateLimitExceededError) as refused:
+        await limiter.reserve("t", limits, 10)
+    assert (refused.value.limit, refused.value.retry_after_ms) == ("concurrency", None)
+    assert await limiter.release(first, 10)
+    await limiter.reserve("t", limits, 10)
+    clock.advance(1_000)  # the second lapses: a crashed gateway leaks no slot
+    await limiter.reserve("t", limits, 10)
+
+
+async def test_request_larger_than_the_limit_is_never_admitted(limiter) -> None:
+    with pytest.raises(RateLimitExceededError) as refused:
+        await limiter.reserve("t", TenantLimits(tpm=100), 101)
+    assert (refused.value.limit, refused.value.retry_after_ms) == ("tokens", None)
+
+
+async def test_tenants_are_independent_and_headers(limiter) -> None:
+    limits = TenantLimits(rpm=60, tpm=6_000)
+    await limiter.reserve("a", limits, 6_000)
+    reservation = await limiter.reserve("b", limits, 1_500)
+    assert reservation.status.headers() == {
+        "x-ratelimit-limit-requests": "60",
+        "x-ratelimit-remaining-requests": "59",
+        "x-ratelimit-reset-requests": "1s",
+        "x-ratelimit-limit-tokens": "6000",
+        "x-ratelimit-remaining-tokens": "4500",
+        "x-ratelimit-reset-tokens": "15s",
+    }
+
+
+def test_duration_format() -> None:
+    assert [format_duration_ms(ms) for ms in (20, 1_500, 360_000, 61_250)] == [
+        "20ms",
+        "1.5s",
+        "6m0s",
+        "1m1.25s",
+    ]
+
+
+def test_limits_are_validated() -> None:
+    with pytest.raises(ValueError, match="rpm"):
+        TenantLimits(rpm=0)
