@@ -54,17 +54,18 @@ def _asyncpg_dsn(sqlalchemy_url: str) -> str:
     return make_url(sqlalchemy_url).set(drivername="postgresql").render_as_string(False)
 
 
-def _create_postgres_database() -> str:
-    """Create an empty database named for this test run; return its SQLAlchemy URL."""
+def _create_postgres_database(template: str | None = None) -> str:
+    """Create a database (empty, or a copy of `template`); return its SQLAlchemy URL."""
     import asyncpg
     from sqlalchemy.engine import make_url
 
     name = f"tg_test_{uuid.uuid4().hex[:16]}"
+    clause = f' TEMPLATE "{template}"' if template else ""
 
     async def create() -> None:
         connection = await asyncpg.connect(_asyncpg_dsn(POSTGRES_URL), timeout=10)
         try:
-            await connection.execute(f'CREATE DATABASE "{name}"')
+            await connection.execute(f'CREATE DATABASE "{name}"{clause}')
         finally:
             await connection.close()
 
@@ -102,13 +103,52 @@ def database_url(request: pytest.FixtureRequest, tmp_path) -> Iterator[str]:
         _drop_postgres_database(url)
 
 
-@pytest.fixture
-def migrated_database_url(database_url: str) -> str:
-    """`database_url` upgraded to the newest migration (seeded tiers included)."""
+@pytest.fixture(scope="session")
+def _migrated_templates(tmp_path_factory) -> Iterator[dict[str, str]]:
+    """Migrated databases built once per session and copied for each test (migrating
+    every test's database from scratch would dominate the run time)."""
+
+    templates: dict[str, str] = {}
+    try:
+        yield templates
+    finally:
+        if "postgresql" in templates:
+            _drop_postgres_database(templates["postgresql"])
+
+
+def _template_for(kind: str, templates: dict[str, str], tmp_path_factory) -> str:
     from gateway.migrate import upgrade_to_head
 
-    upgrade_to_head(database_url)
-    return database_url
+    if kind not in templates:
+        if kind == "sqlite":
+            url = f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('template') / 'tiergate.db'}"
+        else:
+            url = _create_postgres_database()
+        upgrade_to_head(url)
+        templates[kind] = url
+    return templates[kind]
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def migrated_database_url(
+    request: pytest.FixtureRequest, tmp_path, tmp_path_factory, _migrated_templates
+) -> Iterator[str]:
+    """A database of its own at the newest migration (seeded tiers included)."""
+    import shutil
+
+    from sqlalchemy.engine import make_url
+
+    template = _template_for(request.param, _migrated_templates, tmp_path_factory)
+    if request.param == "sqlite":
+        path = tmp_path / "tiergate.db"
+        shutil.copyfile(make_url(template).database, path)
+        yield f"sqlite+aiosqlite:///{path}"
+        return
+    url = _create_postgres_database(template=make_url(template).database)
+    try:
+        yield url
+    finally:
+        _drop_postgres_database(url)
 
 
 @pytest.fixture
