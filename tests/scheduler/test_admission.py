@@ -1,0 +1,63 @@
+"""SLO-aware admission against both backends."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.admission import (
+    AdmissionConfig,
+    NoCapacityError,
+    SloUnattainableError,
+    admit,
+    predict_ttft_ms,
+)
+from scheduler.backend import FleetCapacity, QueueFullError, WorkAhead
+from scheduler.policy import TierConfig
+
+PRIORITY = TierConfig("priority", rank=0, ttft_slo_ms=500.0)
+BATCH = TierConfig("batch", rank=2, max_queued_jobs=3)
+
+
+def test_prediction_formula() -> None:
+    capacity = FleetCapacity(2, prefill_tokens_per_s=1_000.0, decode_tokens_per_s=100.0)
+    work = WorkAhead(num_prefill_tokens=900.0, num_decode_tokens=40.0)
+    assert predict_ttft_ms(work, 100, capacity, AdmissionConfig()) == pytest.approx(1_200.0)
+    with pytest.raises(NoCapacityError):
+        predict_ttft_ms(work, 100, FleetCapacity(0, 0.0, 0.0), AdmissionConfig())
+
+
+async def test_slo_unattainable_then_feasible_after_retry_after(backend, make_job) -> None:
+    await backend.configure_tiers([PRIORITY, BATCH])
+    await backend.publish_capacity(
+        "w1", prefill_tokens_per_s=1_000.0, decode_tokens_per_s=100.0, ttl_ms=60_000
+    )
+    prefill_only = AdmissionConfig(decode_ahead_fraction=0.0)
+    for _ in range(8):
+        await admit(backend, make_job("other", "priority", num_prompt_tokens=100), PRIORITY)
+    with pytest.raises(SloUnattainableError) as refused:
+        await admit(
+            backend, make_job("me", "priority", num_prompt_tokens=100), PRIORITY, prefill_only
+        )
+    # 800 tokens ahead + 100 own at 1000 tokens/s: 900 ms predicted against 500 ms.
+    assert refused.value.predicted_ttft_ms == pytest.approx(900.0, abs=1)
+    assert refused.value.retry_after_ms == 400
+    # Within retry_after the fleet prefills 400 tokens: four jobs ahead are gone.
+    for _ in range(4):
+        await backend.dispatch("w1", 10_000)
+    me = make_job("me", "priority", num_prompt_tokens=100)
+    predicted = await admit(backend, me, PRIORITY, prefill_only)
+    assert predicted == pytest.approx(500.0, abs=1)
+
+
+async def test_no_live_worker_refuses_slo_tiers(backend, make_job) -> None:
+    await backend.configure_tiers([PRIORITY])
+    with pytest.raises(NoCapacityError):
+        await admit(backend, make_job("me", "priority"), PRIORITY)
+
+
+async def test_batch_is_bounded_only_by_queue_caps(backend, make_job) -> None:
+    await backend.configure_tiers([PRIORITY, BATCH])
+    for _ in range(3):
+        assert await admit(backend, make_job("b", "batch", num_prompt_tokens=10_000), BATCH) is None
+    with pytest.raises(QueueFullError):
+        await admit(backend, make_job("b", "batch"), BATCH)
