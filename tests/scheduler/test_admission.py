@@ -33,7 +33,7 @@ async def test_slo_unattainable_then_feasible_after_retry_after(backend, make_jo
     )
     prefill_only = AdmissionConfig(decode_ahead_fraction=0.0)
     for _ in range(8):
-        await admit(backend, make_job("other", "priority", num_prompt_tokens=100), PRIORITY)
+        await backend.enqueue(make_job("other", "priority", num_prompt_tokens=100))
     with pytest.raises(SloUnattainableError) as refused:
         await admit(
             backend, make_job("me", "priority", num_prompt_tokens=100), PRIORITY, prefill_only
