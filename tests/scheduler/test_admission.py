@@ -33,12 +33,12 @@ async def test_slo_unattainable_then_feasible_after_retry_after(backend, make_jo
     )
     prefill_only = AdmissionConfig(decode_ahead_fraction=0.0)
     for _ in range(8):
-        await backend.enqueue(make_job("other", "priority", num_prompt_tokens=100))
+        await backend.enqueue(make_job("me", "priority", num_prompt_tokens=100))
     with pytest.raises(SloUnattainableError) as refused:
         await admit(
             backend, make_job("me", "priority", num_prompt_tokens=100), PRIORITY, prefill_only
         )
-    # 800 tokens ahead + 100 own at 1000 tokens/s: 900 ms predicted against 500 ms.
+    # 800 own tokens queued ahead + 100 at 1000 tokens/s: 900 ms predicted against 500 ms.
     assert refused.value.predicted_ttft_ms == pytest.approx(900.0, abs=1)
     assert refused.value.retry_after_ms == 400
     # Within retry_after the fleet prefills 400 tokens: four jobs ahead are gone.
