@@ -28,6 +28,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.admin import AdminDeps, admin_routes
 from gateway.auth import KeyAuthenticator
+from gateway.batches.setup import start_batch_api, upload_limits
 from gateway.db.session import create_db_engine, create_sessionmaker
 from gateway.errors import (
     ErrorKind,
@@ -40,6 +41,13 @@ from gateway.errors import (
 from gateway.health import health_routes
 from gateway.middleware import GatewayMiddleware
 from gateway.migrate import upgrade_to_head
+from gateway.observability import Telemetry, TelemetryConfig, TelemetryMiddleware, metrics_routes
+from gateway.observability.probes import (
+    keep_tiers_fresh,
+    local_worker_probe,
+    queue_depth_probe,
+    stop_task,
+)
 from gateway.openai.routes import OpenAIDeps, OpenAIRoutes
 from gateway.settings import Settings
 from gateway.tiers import TierCatalog
@@ -83,18 +91,26 @@ class _DeferredRoutes:
         await self.router(scope, receive, send)
 
 
-def build_app(settings: Settings, *, engine: EngineLike | None = None) -> Starlette:
+def build_app(
+    settings: Settings,
+    *,
+    engine: EngineLike | None = None,
+    telemetry_config: TelemetryConfig | None = None,
+) -> Starlette:
     """The gateway app for `settings`.
 
     `engine` replaces the engine the settings describe: a harness (the benchmark) may
     pass one built around another model runner. The app starts and shuts it down.
+    `telemetry_config` defaults to the standard OTEL_* variables.
     """
     deferred = _DeferredRoutes()
+    telemetry = Telemetry(telemetry_config or TelemetryConfig.from_env())
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:
         async with contextlib.AsyncExitStack() as stack:
-            deferred.router = await _build_router(settings, engine, stack)
+            stack.callback(telemetry.shutdown)  # last out: flushes the final spans
+            deferred.router = await _build_router(settings, engine, telemetry, stack)
             try:
                 yield
             finally:
@@ -102,14 +118,24 @@ def build_app(settings: Settings, *, engine: EngineLike | None = None) -> Starle
 
     return Starlette(
         routes=[Mount("/", app=deferred)],
-        middleware=[Middleware(GatewayMiddleware, max_body_bytes=settings.max_body_bytes)],
+        middleware=[
+            Middleware(
+                GatewayMiddleware,
+                max_body_bytes=settings.max_body_bytes,
+                upload_limits=upload_limits(settings),
+            ),
+            Middleware(TelemetryMiddleware, telemetry=telemetry),
+        ],
         exception_handlers={HTTPException: _http_exception},
         lifespan=lifespan,
     )
 
 
 async def _build_router(
-    settings: Settings, engine: EngineLike | None, stack: contextlib.AsyncExitStack
+    settings: Settings,
+    engine: EngineLike | None,
+    telemetry: Telemetry,
+    stack: contextlib.AsyncExitStack,
 ) -> Router:
     database_url = settings.db_url
     if settings.is_embedded_db:
@@ -130,9 +156,14 @@ async def _build_router(
     await _maybe_await(engine.start())  # type: ignore[attr-defined]
     stack.push_async_callback(_shutdown_engine, engine)
 
-    dispatcher = Dispatcher(LocalQueue(), engine)
+    queue = LocalQueue()
+    dispatcher = Dispatcher(queue, engine)
     dispatcher.start()
     stack.push_async_callback(dispatcher.aclose)
+    telemetry.watch_queue(queue_depth_probe(queue))
+    telemetry.watch_workers(local_worker_probe(engine))
+    tier_watch = asyncio.create_task(keep_tiers_fresh(telemetry, tiers.all), name="tier-slos")
+    stack.push_async_callback(stop_task, tier_watch)
 
     async def database_ready() -> None:
         async with db_engine.connect() as connection:
@@ -160,9 +191,21 @@ async def _build_router(
             dispatcher=dispatcher,
             usage=usage,
             created_s=int(time.time()),
+            telemetry=telemetry,
         )
     )
     routes += openai.routes()
+    routes += await start_batch_api(
+        settings,
+        sessionmaker=sessionmaker,
+        auth=auth,
+        tiers=tiers,
+        openai=openai,
+        dispatcher=dispatcher,
+        usage=usage,
+        stack=stack,
+    )
+    routes += metrics_routes(telemetry)
     if settings.admin_token:
         deps = AdminDeps(
             sessionmaker=sessionmaker, admin_token=settings.admin_token, tiers=tiers, auth=auth

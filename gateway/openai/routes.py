@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol, TypeVar
 
@@ -31,6 +31,7 @@ from gateway.errors import (
     error_response,
 )
 from gateway.middleware import request_id_of
+from gateway.observability import RequestTimeline, Telemetry
 from gateway.openai.responses import SSE_DONE, ResponseShape, Usage
 from gateway.openai.schemas import (
     ChatCompletionRequest,
@@ -75,6 +76,7 @@ class OpenAIDeps:
     dispatcher: Dispatcher
     usage: UsageWriter
     created_s: int  # advertised as the model's `created`
+    telemetry: Telemetry | None = None  # metrics and traces of each finished request
 
 
 class ClientDisconnectedError(Exception):
@@ -94,6 +96,22 @@ class _Exchange:
     num_completion_tokens: int = 0
     first_token_s: float | None = None
     stream: JobStream | None = None
+    # The exchange is created right after authentication, so this marks its end.
+    authenticated_s: float = field(default_factory=time.monotonic)
+    last_token_s: float | None = None
+    is_stream: bool = False
+
+    def timeline(self) -> RequestTimeline:
+        return RequestTimeline(
+            started_s=self.started_s,
+            authenticated_s=self.authenticated_s,
+            enqueued_s=self.stream.enqueued_s if self.stream else None,
+            dispatched_s=self.stream.dispatched_s if self.stream else None,
+            first_token_s=self.first_token_s,
+            last_token_s=self.last_token_s,
+            finished_s=time.monotonic(),
+            is_stream=self.is_stream,
+        )
 
     def record(self, outcome: str) -> UsageRecord:
         now = time.monotonic()
@@ -171,7 +189,7 @@ class OpenAIRoutes:
             exchange.num_prompt_tokens = len(prompt_ids)
             params = self._sampling_params(options, len(prompt_ids), chat=chat)
         except (GatewayError, EngineError) as exc:
-            self.deps.usage.record(exchange.record(f"rejected:{error_code(exc)}"))
+            self._finish(exchange, f"rejected:{error_code(exc)}")
             raise
         job = _job(request_id, principal, tier, prompt_ids, params, arrival_s, options)
         exchange.stream = self.deps.dispatcher.submit(job)
@@ -192,15 +210,16 @@ class OpenAIRoutes:
             await self._finish_aborted(exchange)
             return Response(status_code=499)
         except Exception:
-            self.deps.usage.record(exchange.record("error"))
+            self._finish(exchange, "error")
             raise
         if options.stream:
+            exchange.is_stream = True
             return StreamingResponse(
                 self._stream(exchange, shape, first, outputs, options.include_usage),
                 media_type="text/event-stream",
                 headers={"cache-control": "no-cache"},
             )
-        self.deps.usage.record(exchange.record("ok"))
+        self._finish(exchange, "ok")
         usage = Usage(exchange.num_prompt_tokens, exchange.num_completion_tokens)
         return JSONResponse(shape.full(text, finish_reason, usage))
 
@@ -320,17 +339,26 @@ class OpenAIRoutes:
             if outcome == "aborted":
                 # The client went away mid-stream (the server cancelled this generator).
                 await self.deps.dispatcher.cancel(exchange.request_id)
-            self.deps.usage.record(exchange.record(outcome))
+            self._finish(exchange, outcome)
 
     def _account(self, exchange: _Exchange, output: Any) -> None:
-        if exchange.first_token_s is None and output.new_token_ids:
-            exchange.first_token_s = time.monotonic()
+        if output.new_token_ids:
+            exchange.last_token_s = time.monotonic()
+            if exchange.first_token_s is None:
+                exchange.first_token_s = exchange.last_token_s
         exchange.num_prompt_tokens = output.num_prompt_tokens
         exchange.num_completion_tokens = output.num_output_tokens
 
+    def _finish(self, exchange: _Exchange, outcome: str) -> None:
+        """Leave the request's usage record and report it to telemetry (once per request)."""
+        record = exchange.record(outcome)
+        self.deps.usage.record(record)
+        if self.deps.telemetry is not None:
+            self.deps.telemetry.request_finished(record, exchange.timeline())
+
     async def _finish_aborted(self, exchange: _Exchange) -> None:
         await self.deps.dispatcher.cancel(exchange.request_id)
-        self.deps.usage.record(exchange.record("aborted"))
+        self._finish(exchange, "aborted")
 
     async def _unless_disconnected(self, request: Request, work: Awaitable[T]) -> T:
         """Await work, but give up (ClientDisconnectedError) if the client disconnects."""

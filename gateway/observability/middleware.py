@@ -1,0 +1,60 @@
+"""The ASGI layer that ties a request's logs and trace to its x-request-id.
+
+It sits just inside GatewayMiddleware (which assigns the id): it sets the logging
+context variables for the request and, when tracing, opens the root span before the
+route runs and closes it after the last byte is sent.
+"""
+
+from __future__ import annotations
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.observability.logs import request_id_var, trace_id_var
+from gateway.observability.telemetry import Telemetry
+
+# Only API calls get a trace; scrapes and probes would drown the interesting ones.
+TRACED_PREFIXES = ("/v1/",)
+
+
+class TelemetryMiddleware:
+    """Request id and trace id into the log context; the root span around the call."""
+
+    def __init__(self, app: ASGIApp, *, telemetry: Telemetry) -> None:
+        self.app = app
+        self.telemetry = telemetry
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = scope.get("state", {}).get("request_id")
+        id_token = request_id_var.set(request_id)
+        path: str = scope.get("path", "")
+        if (
+            self.telemetry.tracer is None
+            or request_id is None
+            or not path.startswith(TRACED_PREFIXES)
+        ):
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                request_id_var.reset(id_token)
+            return
+
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        trace_id = self.telemetry.start_request(request_id, scope["method"], path, headers)
+        trace_token = trace_id_var.set(trace_id)
+        status_code: int | None = None
+
+        async def send_with_status(message: Message) -> None:
+            nonlocal status_code
+            if message["type"] == "http.response.start":
+                status_code = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_status)
+        finally:
+            self.telemetry.end_request(request_id, status_code)
+            trace_id_var.reset(trace_token)
+            request_id_var.reset(id_token)

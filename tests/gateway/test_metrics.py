@@ -1,0 +1,203 @@
+"""/metrics on a live server: request outcomes, refusals, latency histograms, SLO
+attainment, queue depth and the engine's gauges, in the Prometheus text format; plus the
+bounded tenant label and the JSON log lines."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from typing import TYPE_CHECKING
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.app import build_app
+from gateway.observability import JsonFormatter, Telemetry, TelemetryConfig
+from gateway.observability.logs import request_id_var, trace_id_var
+from gateway.observability.tenant_labels import OTHER, TenantLabels
+from gateway.settings import Settings
+from tests.gateway.conftest import ServerThread, build_test_engine
+
+if TYPE_CHECKING:
+    from tests.gateway.conftest import LiveServer
+
+MODEL = "tiny-random"
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+@pytest.fixture(scope="module")
+def live_database_url(tmp_path_factory) -> str:
+    """Metrics do not depend on the database: one SQLite server is enough here."""
+    return f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('metrics') / 'tiergate.db'}"
+
+
+def scrape(server: LiveServer) -> Samples:
+    response = httpx.get(f"{server.base_url}/metrics", timeout=30)
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    samples: Samples = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return samples
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+def names(samples: Samples) -> set[str]:
+    return {name for name, _ in samples}
+
+
+def test_requests_refusals_and_latencies_are_counted(live_server: LiveServer) -> None:
+    tenant = live_server.tenant_ids["interactive"]
+    before = scrape(live_server)
+    client = live_server.client()
+    for _ in range(3):
+        client.completions.create(model=MODEL, prompt="Count me", max_tokens=4, temperature=0)
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "stream"}],
+        max_tokens=4,
+        temperature=0,
+        stream=True,
+    )
+    assert list(stream)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=live_server.max_model_len)
+
+    after = scrape(live_server)
+    ok = dict(tier="interactive", tenant=tenant, outcome="ok")
+    rejected = dict(tier="interactive", tenant=tenant, outcome="rejected")
+    assert (
+        value(after, "tiergate_requests_total", **ok)
+        - value(before, "tiergate_requests_total", **ok)
+        == 4
+    )
+    assert (
+        value(after, "tiergate_requests_total", **rejected)
+        - value(before, "tiergate_requests_total", **rejected)
+        == 2
+    )
+    for code in ("model_not_found", "context_length_exceeded"):
+        labels = dict(tier="interactive", code=code)
+        assert (
+            value(after, "tiergate_refusals_total", **labels)
+            - value(before, "tiergate_refusals_total", **labels)
+            == 1
+        )
+    for histogram in ("ttft", "e2e", "queue_wait", "tpot"):
+        name = f"tiergate_{histogram}_milliseconds_count"
+        grown = value(after, name, tier="interactive") - value(before, name, tier="interactive")
+        assert grown >= 3, histogram  # tpot needs >= 2 output tokens; 4 were asked
+    inf = value(after, "tiergate_ttft_milliseconds_bucket", tier="interactive", le="+Inf")
+    assert inf == value(after, "tiergate_ttft_milliseconds_count", tier="interactive")
+    # Refusals count as misses; attainment is a share.
+    missed = value(after, "tiergate_slo_requests_total", tier="interactive", met="false")
+    assert (
+        missed - value(before, "tiergate_slo_requests_total", tier="interactive", met="false") >= 2
+    )
+    attainment = value(after, "tiergate_slo_attainment", tier="interactive")
+    assert 0.0 < attainment < 1.0
+    output = dict(tier="interactive", kind="output")
+    assert value(after, "tiergate_tokens_total", **output) > value(
+        before, "tiergate_tokens_total", **output
+    )
+
+
+def test_engine_and_queue_gauges_are_read_when_scraped(live_server: LiveServer) -> None:
+    live_server.client().completions.create(model=MODEL, prompt="warm", max_tokens=2)
+    samples = scrape(live_server)
+    for tier in ("priority", "interactive", "batch"):
+        assert ("tiergate_queue_depth", frozenset({("tier", tier)})) in samples
+    stats = live_server.engine.stats()
+    worker = frozenset({("worker", "local")})
+    assert samples[("tiergate_engine_step_token_budget", worker)] == stats.step_token_budget
+    assert 0.0 <= samples[("tiergate_engine_kv_cache_utilization", worker)] <= 1.0
+    for name in (
+        "tiergate_engine_running",
+        "tiergate_engine_waiting",
+        "tiergate_engine_preemptions_total",
+        "tiergate_engine_recomputed_tokens_total",
+    ):
+        assert (name, worker) in samples, name
+    rates = {labels for name, labels in samples if name == "tiergate_engine_token_rate_per_second"}
+    assert frozenset({("worker", "local"), ("phase", "decode")}) in rates
+
+
+def test_tenant_labels_stay_bounded() -> None:
+    labels = TenantLabels(top_n=3, refresh_s=0.0)
+    seen = set()
+    for i in range(2000):
+        seen.add(labels.observe(f"noise-{i}"))  # a one-request tenant each time
+        for heavy in ("a", "b", "c"):
+            seen.add(labels.observe(heavy))
+    assert {"a", "b", "c"} <= seen
+    assert len(seen) <= labels.max_labels + 1  # + "other"
+    assert labels.label("a") == "a"
+    assert labels.label("noise-5") == OTHER
+
+
+def test_tenant_label_cardinality_on_a_live_server(live_server: LiveServer, tmp_path) -> None:
+    """top_n=0 folds every tenant into "other": no tenant id reaches the exposition."""
+    settings = Settings(
+        data_dir=tmp_path,
+        database_url=live_server.database_url,
+        admin_token=live_server.admin_token,
+        device="cpu",
+    )
+    thread = ServerThread(
+        build_app(
+            settings, engine=build_test_engine(), telemetry_config=TelemetryConfig(top_tenants=0)
+        )
+    )
+    thread.start()
+    try:
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{thread.port}/v1",
+            api_key=live_server.keys["batch"],
+            max_retries=0,
+        )
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+        text = httpx.get(f"http://127.0.0.1:{thread.port}/metrics").text
+    finally:
+        thread.stop()
+    assert 'tenant="other"' in text
+    assert live_server.tenant_ids["batch"] not in text
+
+
+def test_disabled_sdk_serves_an_empty_exposition() -> None:
+    config = TelemetryConfig.from_env({"OTEL_SDK_DISABLED": "true"})
+    assert not config.is_enabled
+    telemetry = Telemetry(config)
+    assert telemetry.render_metrics() == b""
+    telemetry.shutdown()
+
+
+def test_json_logs_carry_the_request_and_trace_ids() -> None:
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter())
+    logger = logging.getLogger("tiergate.test.jsonlogs")
+    logger.addHandler(handler)
+    logger.propagate = False
+    id_token = request_id_var.set("req_abc")
+    trace_token = trace_id_var.set("0af7651916cd43dd8448eb211c80319c")
+    try:
+        logger.warning("queue %s is deep", "batch", extra={"depth": 7})
+    finally:
+        request_id_var.reset(id_token)
+        trace_id_var.reset(trace_token)
+        logger.removeHandler(handler)
+    line = json.loads(stream.getvalue())
+    assert line["message"] == "queue batch is deep"
+    assert line["level"] == "warning"
+    assert line["request_id"] == "req_abc"
+    assert line["trace_id"] == "0af7651916cd43dd8448eb211c80319c"
+    assert line["depth"] == 7
