@@ -7,7 +7,7 @@ serialised to JSON for the Redis backend, so it holds only plain values.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from engine.request import SamplingParams
@@ -45,7 +45,10 @@ class Job:
         return replace(self, resumed_token_ids=token_ids)
 
     def to_json(self) -> str:
-        data: dict[str, Any] = asdict(self)
+        # A shallow dict: asdict() deep-copies the token tuples, which dominated the
+        # queue's client-side cost.
+        data: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
+        data["params"] = asdict(self.params)
         return json.dumps(data, separators=(",", ":"))
 
     @classmethod

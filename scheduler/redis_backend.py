@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from importlib import resources
 from typing import Any
 
@@ -164,6 +164,62 @@ class RedisBackend:
             cap = tiers[job.tier].max_queued_jobs if job.tier in tiers else 0
             raise QueueFullError(job.tier, cap or 0)
 
+    def _enqueue_args(self, job: Job) -> list[object]:
+        deadline = policy.deadline_ms(job)
+        expire = policy.expire_at_ms(job)
+        return [
+            self._keys.prefix,
+            self._clock_ms(),
+            job.job_id,
+            job.to_json(),
+            job.tier,
+            job.tenant_id,
+            repr(float(job.weight)),
+            job.num_prompt_tokens,
+            job.params.max_tokens,
+            "" if deadline is None else deadline,
+            "" if expire is None else expire,
+        ]
+
+    def _dispatch_args(self, worker_id: str, lease_ms: int) -> list[object]:
+        c = self._config
+        return [
+            self._keys.prefix,
+            self._clock_ms(),
+            worker_id,
+            lease_ms,
+            repr(float(c.input_token_weight)),
+            repr(float(c.output_token_weight)),
+            c.share_bucket_ms,
+            c.share_buckets,
+            c.deadline_margin_ms,
+            c.max_expired_per_dispatch,
+            self._finished_ttl_ms,
+            self._result_ttl_ms,
+        ]
+
+    async def enqueue_many(self, jobs: Sequence[Job]) -> list[str]:
+        """Enqueue in one round trip (each job still atomic); returns each outcome
+        ('ok', 'unknown_tier', 'duplicate' or 'queue_full') instead of raising."""
+        with unavailable_as_error():
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for job in jobs:
+                    await self._scripts["enqueue"](
+                        keys=[], args=self._enqueue_args(job), client=pipe
+                    )
+                return list(await pipe.execute())
+
+    async def dispatch_many(self, worker_id: str, lease_ms: int, num_jobs: int) -> list[Job]:
+        """Up to num_jobs dispatches in one round trip, in policy order."""
+        with unavailable_as_error():
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for _ in range(num_jobs):
+                    await self._scripts["dispatch"](
+                        keys=[], args=self._dispatch_args(worker_id, lease_ms), client=pipe
+                    )
+                replies = await pipe.execute()
+        return [_leased_job(reply) for reply in replies if reply]
+
     async def dispatch(self, worker_id: str, lease_ms: int) -> Job | None:
         c = self._config
         leased = await self._run(
@@ -180,11 +236,7 @@ class RedisBackend:
             self._finished_ttl_ms,
             self._result_ttl_ms,
         )
-        if not leased:
-            return None
-        _, raw, resumed, rank = leased
-        job = Job.from_json(raw)
-        return Job(**{**job.__dict__, "rank": int(rank), "resumed_token_ids": _tokens(resumed)})
+        return _leased_job(leased) if leased else None
 
     async def charge(self, job_id: str, *, input_tokens: int = 0, output_tokens: int = 0) -> bool:
         c = self._config
@@ -367,6 +419,11 @@ class RedisBackend:
 
     async def aclose(self) -> None:
         await self._redis.aclose()
+
+
+def _leased_job(reply: list[Any]) -> Job:
+    _, raw, resumed, rank = reply
+    return replace(Job.from_json(raw), rank=int(rank), resumed_token_ids=_tokens(resumed))
 
 
 def _event(entry_id: str, fields: dict[str, str]) -> ResultEvent:
