@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.errors import error_response
 from gateway.observability.logs import request_id_var, trace_id_var
 from gateway.observability.telemetry import Telemetry
 
@@ -54,6 +55,11 @@ class TelemetryMiddleware:
 
         try:
             await self.app(scope, receive, send_with_status)
+        except Exception as exc:
+            # The outer middleware turns it into the error table's response; record that.
+            if status_code is None:
+                status_code = error_response(exc).status_code
+            raise
         finally:
             self.telemetry.end_request(request_id, status_code)
             trace_id_var.reset(trace_token)
