@@ -1,0 +1,335 @@
+"""The batch driver: runs each active batch's lines, durably, one owner at a time.
+
+Each gateway runs one driver. It takes the lease of active batches that have no live
+owner (a conditional UPDATE), renews it while it drives them, and gives it up on
+shutdown; when a gateway dies its leases lapse and another driver takes its batches over.
+Progress is only what SQL holds: a line is done when its result row is committed, so a
+resumed batch runs exactly the lines that have no result yet, and each line gets one
+result whatever crashes in between.
+
+Driving a batch: validate its input file into line rows, then keep up to
+`max_in_flight` lines submitted through the dispatcher (the queue orders them behind
+interactive work), store each result as it arrives, and end the batch with its output
+and error files: completed, or cancelled / expired with the unfinished lines in the error
+file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+
+from engine.errors import EngineDeadError, RequestAbortedError
+from gateway.auth import Principal
+from gateway.batches.lines import LineRunner
+from gateway.batches.store import (
+    CANCELLED,
+    CANCELLING,
+    COMPLETED,
+    EXPIRED,
+    FINALIZING,
+    IN_PROGRESS,
+    VALIDATING,
+    BatchStore,
+    PendingLine,
+    result_line,
+)
+from gateway.batches.validation import LineError, ValidationLimits, validate_input
+from gateway.db.batch_models import BatchRow
+from gateway.db.models import utcnow
+from gateway.errors import NotFoundError
+from gateway.middleware import new_request_id
+from gateway.tiers import TierCatalog, TierPolicy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DriverConfig:
+    """How a driver paces itself. The lease must outlast a few heartbeats."""
+
+    lease_s: float = 10.0  # a dead owner's batches are taken over after this
+    poll_s: float = 1.0  # how often unowned batches are looked for
+    max_batches: int = 8  # batches this gateway drives at once
+    max_in_flight: int = 64  # lines of one batch submitted at once (the tier may lower it)
+    limits: ValidationLimits = field(default_factory=ValidationLimits)
+
+    @property
+    def heartbeat_s(self) -> float:
+        return min(self.lease_s / 4, 1.0)
+
+
+class BatchDriver:
+    """Claims, drives and finishes batches; one per gateway process."""
+
+    def __init__(
+        self,
+        store: BatchStore,
+        runner: LineRunner,
+        tiers: TierCatalog,
+        config: DriverConfig | None = None,
+    ) -> None:
+        self._store = store
+        self._runner = runner
+        self._tiers = tiers
+        self.config = config or DriverConfig()
+        self.owner_id = f"gw-{secrets.token_hex(8)}"
+        self._driving: dict[str, asyncio.Task[None]] = {}
+        self._pokes: dict[str, asyncio.Event] = {}
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+
+    @property
+    def batch_ids(self) -> list[str]:
+        """The batches this driver holds the lease of right now."""
+        return list(self._driving)
+
+    def start(self) -> None:
+        if self._loop_task is None:
+            self._loop_task = asyncio.create_task(self._run(), name="batch-driver")
+
+    def notify(self, batch_id: str | None = None) -> None:
+        """A batch was created or cancelled here: look at it now, not at the next poll."""
+        self._wake.set()
+        if batch_id is not None and batch_id in self._pokes:
+            self._pokes[batch_id].set()
+
+    async def aclose(self) -> None:
+        """Stop driving: abort in-flight lines (they stay pending) and release the leases."""
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+        tasks = list(self._driving.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while True:
+            self._wake.clear()
+            num_free = self.config.max_batches - len(self._driving)
+            if num_free > 0:
+                try:
+                    claimed = await self._store.claim(
+                        self.owner_id, self.config.lease_s, limit=num_free
+                    )
+                except Exception:
+                    log.exception("claiming batches failed; retrying")
+                    claimed = []
+                for batch_id in claimed:
+                    self._pokes[batch_id] = asyncio.Event()
+                    self._driving[batch_id] = asyncio.create_task(
+                        self._drive(batch_id), name=f"batch-{batch_id}"
+                    )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.config.poll_s)
+
+    async def _drive(self, batch_id: str) -> None:
+        run = _BatchRun(self, batch_id)
+        is_lost = False
+        try:
+            is_lost = await run.drive()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            # The lease is released below; this or another gateway picks it up again.
+            log.exception("driving batch %s failed", batch_id)
+        finally:
+            await run.stop_lines()
+            if not is_lost:
+                with contextlib.suppress(Exception):
+                    await self._store.release(batch_id, self.owner_id)
+            self._driving.pop(batch_id, None)
+            self._pokes.pop(batch_id, None)
+            self._wake.set()
+
+
+class _BatchRun:
+    """One lease's worth of driving one batch."""
+
+    def __init__(self, driver: BatchDriver, batch_id: str) -> None:
+        self.driver = driver
+        self.store = driver._store
+        self.batch_id = batch_id
+        self.owner = driver.owner_id
+        self.config = driver.config
+        self.in_flight: dict[str, tuple[asyncio.Task[None], int]] = {}  # request id -> line
+        self.cursor = -1  # highest line index submitted in this pass
+        self.is_engine_dead = False
+        self.principal: Principal | None = None
+        self.tier: TierPolicy | None = None
+
+    async def drive(self) -> bool:
+        """Drive until the batch ends or the lease is lost; True if it was lost."""
+        poke = self.driver._pokes.get(self.batch_id) or asyncio.Event()
+        while True:
+            batch = await self.store.renew(self.batch_id, self.owner, self.config.lease_s)
+            if batch is None:
+                log.warning("lost the lease of batch %s", self.batch_id)
+                return True
+            poke.clear()
+            if batch.status == VALIDATING:
+                await self._validate(batch)
+            elif batch.status == CANCELLING:
+                await self.stop_lines()
+                await self._finish(CANCELLED, "batch_cancelled")
+                return False
+            elif batch.status == FINALIZING:
+                await self._finish(COMPLETED, None)
+                return False
+            elif batch.status == IN_PROGRESS:
+                if utcnow() >= batch.expires_at:
+                    await self.stop_lines()
+                    await self._finish(EXPIRED, "batch_expired")
+                    return False
+                if self.is_engine_dead:
+                    return False  # released: a gateway with a live engine takes it over
+                if not await self._advance(batch):
+                    await self.store.begin_finalizing(self.batch_id, self.owner)
+                    continue
+                await self._wait(poke)
+            else:
+                return False  # ended by someone else
+
+    async def _validate(self, batch: BatchRow) -> None:
+        content = await self.store.get_file_content(batch.tenant_id, batch.input_file_id)
+        if content is None:
+            lines, errors = [], [LineError("file_not_found", "The input file no longer exists.")]
+        else:
+            lines, errors = await asyncio.to_thread(
+                validate_input, content, batch.endpoint, self.config.limits
+            )
+        await self.store.store_validation(self.batch_id, self.owner, lines, errors)
+
+    async def _advance(self, batch: BatchRow) -> bool:
+        """Submit lines up to the window; False when none is pending or running."""
+        if self.principal is None:
+            await self._load_principal(batch)
+        window = self._window() - len(self.in_flight)
+        if window > 0:
+            lines = await self.store.pending_lines(
+                self.batch_id, after_index=self.cursor, limit=window
+            )
+            for line in lines:
+                self._submit(batch, line)
+            if not lines and not self.in_flight:
+                if await self.store.num_pending(self.batch_id) == 0:
+                    return False
+                # Lines skipped in this pass (an aborted run) are still pending: go again.
+                self.cursor = -1
+                await asyncio.sleep(self.config.heartbeat_s)
+        return True
+
+    def _window(self) -> int:
+        limit = self.config.max_in_flight
+        if self.tier is not None and self.tier.max_concurrency:
+            limit = min(limit, self.tier.max_concurrency)
+        return max(1, limit)
+
+    def _submit(self, batch: BatchRow, line: PendingLine) -> None:
+        request_id = new_request_id()
+        self.cursor = max(self.cursor, line.line_index)
+        task = asyncio.create_task(
+            self._run_line(batch, line, request_id), name=f"batch-line-{request_id}"
+        )
+        self.in_flight[request_id] = (task, line.line_index)
+        task.add_done_callback(lambda _t: self.in_flight.pop(request_id, None))
+
+    async def _run_line(self, batch: BatchRow, line: PendingLine, request_id: str) -> None:
+        if self.principal is None or self.tier is None:
+            raise RuntimeError("a line was submitted before the batch's tenant was loaded")
+        try:
+            outcome = await self.driver._runner.run(
+                request_id=request_id,
+                principal=self.principal,
+                tier=self.tier,
+                endpoint=batch.endpoint,
+                body_json=line.body_json,
+                deadline_s=batch.expires_at.timestamp(),
+            )
+        except RequestAbortedError:
+            return  # cancelled by this driver; the line stays pending
+        except EngineDeadError:
+            self.is_engine_dead = True
+            return
+        except Exception:
+            log.exception("batch %s line %d failed to run", self.batch_id, line.line_index)
+            return
+        await self.store.finish_line(
+            self.batch_id,
+            line.line_index,
+            is_success=outcome.is_success,
+            result_json=result_line(line.custom_id, response=outcome.response()),
+            prompt_tokens=outcome.prompt_tokens,
+            completion_tokens=outcome.completion_tokens,
+        )
+
+    async def _wait(self, poke: asyncio.Event) -> None:
+        """Until a line finishes, the batch is poked, or the next heartbeat is due."""
+        deadline = time.monotonic() + self.config.heartbeat_s
+        while time.monotonic() < deadline and not poke.is_set():
+            waiters = {task for task, _ in self.in_flight.values()}
+            poke_task = asyncio.ensure_future(poke.wait())
+            try:
+                await asyncio.wait(
+                    {*waiters, poke_task},
+                    timeout=deadline - time.monotonic(),
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+            finally:
+                poke_task.cancel()
+            # Refill the window as soon as lines finish, without waiting for a heartbeat.
+            if len(self.in_flight) < self._window() and self.principal is not None:
+                batch = await self.store.get_batch(self.batch_id)
+                if batch is None or batch.status != IN_PROGRESS:
+                    return
+                if not await self._advance(batch):
+                    return
+
+    async def _load_principal(self, batch: BatchRow) -> None:
+        tenant = await self.store.get_tenant(batch.tenant_id)
+        if tenant is None:
+            raise RuntimeError(f"the tenant of batch {batch.id} no longer exists")
+        own_tier = await self.driver._tiers.get(tenant.tier)
+        try:
+            tier = await self.driver._tiers.get(batch.tier)
+        except NotFoundError:
+            tier = own_tier  # the batch tier was deleted since: run at the tenant's own
+        self.tier = tier
+        self.principal = Principal(
+            tenant_id=tenant.id,
+            tenant_name=tenant.name,
+            key_id="",
+            tier=own_tier,
+            weight=tenant.weight,
+            rpm=tenant.rpm if tenant.rpm is not None else own_tier.rpm,
+            tpm=tenant.tpm if tenant.tpm is not None else own_tier.tpm,
+            max_concurrency=(
+                tenant.max_concurrency
+                if tenant.max_concurrency is not None
+                else own_tier.max_concurrency
+            ),
+        )
+
+    async def stop_lines(self) -> None:
+        """Abort every in-flight line and wait for it; aborted lines stay pending."""
+        entries = list(self.in_flight.items())
+        for request_id, _ in entries:
+            with contextlib.suppress(Exception):
+                await self.driver._runner.cancel(request_id)
+        tasks = [task for _, (task, _) in entries]
+        if tasks:
+            _done, stuck = await asyncio.wait(tasks, timeout=5.0)
+            for task in stuck:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _finish(self, final_status: str, close_code: str | None) -> None:
+        await self.store.finish_batch(
+            self.batch_id, self.owner, final_status=final_status, close_code=close_code
+        )

@@ -1,0 +1,184 @@
+"""Running one batch line: the body is admitted exactly as the live endpoint admits it.
+
+The body goes through the OpenAI routes' own parsing, model check, tokenisation and
+context-length check, becomes a Job at the batch's tier with the batch's deadline, and
+is submitted through the dispatcher like any request. A body the live endpoint would
+refuse gets the same status code and error body, in the error file; the rest of the
+batch runs. Every line leaves a UsageRecord at the batch's tier (and so at its price).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from typing import Any
+
+from engine.errors import EngineDeadError, EngineError, RequestAbortedError
+from gateway.auth import Principal
+from gateway.errors import GatewayError, InvalidRequestError, error_code, error_response
+from gateway.openai import routes as openai_routes
+from gateway.openai.responses import ResponseShape, Usage
+from gateway.openai.schemas import parse_chat_request, parse_completion_request
+from gateway.tiers import TierPolicy
+from gateway.usage import UsageRecord, UsageWriter
+from scheduler.dispatcher import Dispatcher
+
+CHAT_ENDPOINT = "/v1/chat/completions"
+
+
+@dataclass(frozen=True)
+class LineOutcome:
+    """A finished line: the response a live request would have got, and its tokens."""
+
+    status_code: int
+    request_id: str
+    body: dict[str, Any]
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def is_success(self) -> bool:
+        return self.status_code == 200
+
+    def response(self) -> dict[str, Any]:
+        return {"status_code": self.status_code, "request_id": self.request_id, "body": self.body}
+
+
+class LineRunner:
+    """Admits and runs single batch lines through the live endpoint's code path."""
+
+    def __init__(
+        self, routes: openai_routes.OpenAIRoutes, dispatcher: Dispatcher, usage: UsageWriter
+    ) -> None:
+        self._routes = routes
+        self._dispatcher = dispatcher
+        self._usage = usage
+
+    @property
+    def model_name(self) -> str:
+        return self._routes.deps.model.model_name
+
+    async def run(
+        self,
+        *,
+        request_id: str,
+        principal: Principal,
+        tier: TierPolicy,
+        endpoint: str,
+        body_json: str,
+        deadline_s: float,
+    ) -> LineOutcome:
+        """Run one line to its outcome.
+
+        Raises RequestAbortedError if the job was cancelled (batch cancelled or expired,
+        lease lost) and EngineDeadError if the engine is gone: the line then stays
+        pending and runs again later.
+        """
+        started_s = time.monotonic()
+        chat = endpoint == CHAT_ENDPOINT
+        record = _Record(request_id, principal.tenant_id, tier.name, self.model_name, started_s)
+        try:
+            job = self._admit(request_id, principal, tier, body_json, deadline_s, chat=chat)
+        except (GatewayError, EngineError) as exc:
+            self._usage.record(record.finish(f"rejected:{error_code(exc)}"))
+            return _error_outcome(request_id, exc)
+        record.prompt_tokens = job.num_prompt_tokens
+        stream = self._dispatcher.submit(job)
+        pieces: list[str] = []
+        finish_reason: str | None = None
+        try:
+            async for output in stream:
+                if record.first_token_s is None and output.new_token_ids:
+                    record.first_token_s = time.monotonic()
+                record.prompt_tokens = output.num_prompt_tokens
+                record.completion_tokens = output.num_output_tokens
+                pieces.append(output.text_delta)
+                if output.finished and output.finish_reason is not None:
+                    finish_reason = str(output.finish_reason)
+        except (RequestAbortedError, EngineDeadError):
+            self._usage.record(record.finish("aborted", stream.queue_wait_ms))
+            raise
+        except (GatewayError, EngineError) as exc:
+            self._usage.record(record.finish("error", stream.queue_wait_ms))
+            return _error_outcome(request_id, exc)
+        self._usage.record(record.finish("ok", stream.queue_wait_ms))
+        shape = ResponseShape.for_request(
+            request_id, model=self.model_name, service_tier=tier.name, chat=chat
+        )
+        usage = Usage(record.prompt_tokens, record.completion_tokens)
+        return LineOutcome(
+            200,
+            request_id,
+            shape.full("".join(pieces), finish_reason, usage),
+            record.prompt_tokens,
+            record.completion_tokens,
+        )
+
+    def cancel(self, request_id: str) -> Any:
+        """Drop a queued line or abort a running one (its run raises RequestAbortedError)."""
+        return self._dispatcher.cancel(request_id)
+
+    def _admit(
+        self,
+        request_id: str,
+        principal: Principal,
+        tier: TierPolicy,
+        body_json: str,
+        deadline_s: float,
+        *,
+        chat: bool,
+    ):
+        # The live endpoint's own steps, in its order (see gateway.openai.routes._serve).
+        body = body_json.encode("utf-8")
+        parsed = parse_chat_request(body) if chat else parse_completion_request(body)
+        options = parsed.options
+        if options.stream:
+            raise InvalidRequestError("stream is not supported in a batch.", param="stream")
+        routes = self._routes
+        routes._check_model(options.model)
+        prompt_ids = routes._prompt_token_ids(parsed)
+        params = routes._sampling_params(options, len(prompt_ids), chat=chat)
+        job = openai_routes._job(
+            request_id, principal, tier, prompt_ids, params, time.time(), options
+        )
+        # The deadline is the batch's (creation + window), not this line's arrival + window.
+        return replace(job, deadline_s=deadline_s)
+
+
+@dataclass
+class _Record:
+    request_id: str
+    tenant_id: str
+    tier: str
+    model: str
+    started_s: float
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    first_token_s: float | None = None
+
+    def finish(self, outcome: str, queue_wait_ms: float | None = None) -> UsageRecord:
+        now = time.monotonic()
+        ttft_ms = None
+        if self.first_token_s is not None:
+            ttft_ms = (self.first_token_s - self.started_s) * 1000.0
+        return UsageRecord(
+            request_id=self.request_id,
+            tenant_id=self.tenant_id,
+            tier=self.tier,
+            model=self.model,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            queue_wait_ms=queue_wait_ms,
+            ttft_ms=ttft_ms,
+            e2e_ms=(now - self.started_s) * 1000.0,
+            outcome=outcome,
+            created_at=datetime.now(UTC),
+        )
+
+
+def _error_outcome(request_id: str, exc: BaseException) -> LineOutcome:
+    # The one error table decides status and body, as for a live request.
+    response = error_response(exc)
+    return LineOutcome(response.status_code, request_id, json.loads(bytes(response.body)))

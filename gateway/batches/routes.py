@@ -1,0 +1,216 @@
+"""/v1/files and /v1/batches: upload inputs, create, follow, list and cancel batches.
+
+Every object belongs to the tenant whose key created it; another tenant's id is a 404,
+never a 403. Creating or cancelling a batch only writes SQL and pokes this gateway's
+driver; the driver (here or on another replica) does the work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from starlette.datastructures import UploadFile
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from gateway.auth import KeyAuthenticator, Principal
+from gateway.batches.driver import BatchDriver
+from gateway.batches.store import CANCELLED, CANCELLING, BatchStore
+from gateway.batches.validation import COMPLETION_WINDOWS_S, parse_create_request
+from gateway.batches.views import batch_view, file_view
+from gateway.errors import (
+    ConflictError,
+    InvalidRequestError,
+    NotFoundError,
+    PayloadTooLargeError,
+)
+from gateway.tiers import TierCatalog, TierPolicy
+
+FILE_PURPOSES = ("batch",)
+BATCH_TIER = "batch"
+DEFAULT_PAGE_SIZE = 20
+MAX_PAGE_SIZE = 100
+MAX_FILENAME_CHARS = 255
+
+
+@dataclass(frozen=True)
+class BatchDeps:
+    auth: KeyAuthenticator
+    tiers: TierCatalog
+    store: BatchStore
+    driver: BatchDriver
+    max_file_bytes: int
+
+
+class BatchRoutes:
+    """The handlers; one instance per app."""
+
+    def __init__(self, deps: BatchDeps) -> None:
+        self.deps = deps
+
+    def routes(self) -> list[BaseRoute]:
+        return [
+            Route("/v1/files", self.create_file, methods=["POST"]),
+            Route("/v1/files/{file_id}", self.get_file, methods=["GET"]),
+            Route("/v1/files/{file_id}", self.delete_file, methods=["DELETE"]),
+            Route("/v1/files/{file_id}/content", self.file_content, methods=["GET"]),
+            Route("/v1/batches", self.create_batch, methods=["POST"]),
+            Route("/v1/batches", self.list_batches, methods=["GET"]),
+            Route("/v1/batches/{batch_id}", self.get_batch, methods=["GET"]),
+            Route("/v1/batches/{batch_id}/cancel", self.cancel_batch, methods=["POST"]),
+        ]
+
+    async def _principal(self, request: Request) -> Principal:
+        return await self.deps.auth.authenticate(request.headers.get("authorization"))
+
+    # Files ---------------------------------------------------------------------------
+
+    async def create_file(self, request: Request) -> Response:
+        principal = await self._principal(request)
+        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+            raise InvalidRequestError("Upload the file as multipart/form-data.", param="file")
+        async with request.form(max_files=1, max_fields=10) as form:
+            purpose = form.get("purpose")
+            upload = form.get("file")
+            if purpose not in FILE_PURPOSES:
+                raise InvalidRequestError(
+                    f"purpose must be one of {', '.join(FILE_PURPOSES)}.", param="purpose"
+                )
+            if not isinstance(upload, UploadFile):
+                raise InvalidRequestError("Missing required parameter: 'file'.", param="file")
+            content = await upload.read()
+            filename = (upload.filename or "upload.jsonl")[:MAX_FILENAME_CHARS]
+        if len(content) > self.deps.max_file_bytes:
+            raise PayloadTooLargeError(
+                f"The file is larger than the limit of {self.deps.max_file_bytes} bytes."
+            )
+        row = await self.deps.store.create_file(
+            principal.tenant_id, purpose=str(purpose), filename=filename, content=content
+        )
+        return JSONResponse(file_view(row))
+
+    async def get_file(self, request: Request) -> Response:
+        principal = await self._principal(request)
+        return JSONResponse(file_view(await self._file(principal, request)))
+
+    async def file_content(self, request: Request) -> Response:
+        principal = await self._principal(request)
+        file_id = request.path_params["file_id"]
+        content = await self.deps.store.get_file_content(principal.tenant_id, file_id)
+        if content is None:
+            raise _file_not_found(file_id)
+        return Response(content, media_type="application/octet-stream")
+
+    async def delete_file(self, request: Request) -> Response:
+        principal = await self._principal(request)
+        file_id = request.path_params["file_id"]
+        if not await self.deps.store.delete_file(principal.tenant_id, file_id):
+            raise _file_not_found(file_id)
+        return JSONResponse({"id": file_id, "object": "file", "deleted": True})
+
+    async def _file(self, principal: Principal, request: Request):
+        file_id = request.path_params["file_id"]
+        row = await self.deps.store.get_file(principal.tenant_id, file_id)
+        if row is None:
+            raise _file_not_found(file_id)
+        return row
+
+    # Batches -------------------------------------------------------------------------
+
+    async def create_batch(self, request: Request) -> Response:
+        principal = await self._principal(request)
+        parsed = parse_create_request(await request.body())
+        input_file = await self.deps.store.get_file(principal.tenant_id, parsed.input_file_id)
+        if input_file is None:
+            raise _file_not_found(parsed.input_file_id, param="input_file_id")
+        if input_file.purpose != "batch":
+            raise InvalidRequestError(
+                f"File {parsed.input_file_id} has purpose {input_file.purpose!r}, not 'batch'.",
+                param="input_file_id",
+            )
+        tier = await self._batch_tier(principal)
+        window_s = COMPLETION_WINDOWS_S[parsed.completion_window]
+        if tier.completion_window_s is not None:
+            window_s = min(window_s, tier.completion_window_s)
+        row = await self.deps.store.create_batch(
+            principal.tenant_id,
+            endpoint=parsed.endpoint,
+            input_file_id=parsed.input_file_id,
+            completion_window=parsed.completion_window,
+            window_s=window_s,
+            tier=tier.name,
+            metadata=parsed.metadata,
+        )
+        self.deps.driver.notify(row.id)
+        return JSONResponse(batch_view(row, None))
+
+    async def _batch_tier(self, principal: Principal) -> TierPolicy:
+        """The batch tier, or the tenant's own tier if that one is lower still."""
+        try:
+            batch = await self.deps.tiers.get(BATCH_TIER)
+        except NotFoundError:
+            return principal.tier
+        return principal.tier if principal.tier.rank > batch.rank else batch
+
+    async def get_batch(self, request: Request) -> Response:
+        principal = await self._principal(request)
+        row = await self._batch(principal, request.path_params["batch_id"])
+        counts = await self.deps.store.line_counts([row.id])
+        return JSONResponse(batch_view(row, counts.get(row.id)))
+
+    async def cancel_batch(self, request: Request) -> Response:
+        principal = await self._principal(request)
+        batch_id = request.path_params["batch_id"]
+        row = await self._batch(principal, batch_id)
+        if row.status not in (CANCELLING, CANCELLED):
+            if not await self.deps.store.request_cancel(batch_id):
+                row = await self._batch(principal, batch_id)
+                raise ConflictError(
+                    f"Cannot cancel a batch with status {row.status!r}.", code="batch_not_active"
+                )
+            self.deps.driver.notify(batch_id)
+            row = await self._batch(principal, batch_id)
+        counts = await self.deps.store.line_counts([row.id])
+        return JSONResponse(batch_view(row, counts.get(row.id)))
+
+    async def list_batches(self, request: Request) -> Response:
+        principal = await self._principal(request)
+        limit = _page_size(request.query_params.get("limit"))
+        after = request.query_params.get("after") or None
+        rows, has_more = await self.deps.store.list_batches(
+            principal.tenant_id, limit=limit, after=after
+        )
+        counts = await self.deps.store.line_counts([r.id for r in rows])
+        data = [batch_view(r, counts.get(r.id)) for r in rows]
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": data,
+                "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None,
+                "has_more": has_more,
+            }
+        )
+
+    async def _batch(self, principal: Principal, batch_id: str):
+        row = await self.deps.store.get_batch(batch_id, principal.tenant_id)
+        if row is None:
+            raise NotFoundError(f"No batch with id {batch_id!r}.", code="batch_not_found")
+        return row
+
+
+def _file_not_found(file_id: str, *, param: str | None = None) -> NotFoundError:
+    return NotFoundError(f"No file with id {file_id!r}.", param=param, code="file_not_found")
+
+
+def _page_size(raw: str | None) -> int:
+    if raw is None:
+        return DEFAULT_PAGE_SIZE
+    try:
+        limit = int(raw)
+    except ValueError:
+        raise InvalidRequestError("limit must be an integer.", param="limit") from None
+    if not 1 <= limit <= MAX_PAGE_SIZE:
+        raise InvalidRequestError(f"limit must be in 1..{MAX_PAGE_SIZE}.", param="limit")
+    return limit

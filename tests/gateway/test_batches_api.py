@@ -1,0 +1,376 @@
+"""The Batch API end to end with the official openai client against a live server.
+
+Files and batches on SQLite and PostgreSQL: results matched by custom_id, per-request
+errors in the error file, validation failures that run nothing, cancel and expiry with
+one result line per custom_id, tenant isolation, cursor pagination, usage at the batch
+tier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import openai
+import pytest
+from sqlalchemy import select
+
+from gateway.db.models import UsageRow
+from gateway.db.session import create_db_engine, create_sessionmaker
+
+if TYPE_CHECKING:
+    from tests.gateway.conftest import LiveServer
+
+MODEL = "tiny-random"
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+TERMINAL = {"completed", "failed", "expired", "cancelled"}
+
+
+def _tenant_key(server: LiveServer, tier: str) -> str:
+    """A fresh tenant of `tier` and its key, so each test sees only its own objects."""
+    with server.admin() as admin:
+        tenant = admin.post("/tenants", json={"name": f"b-{uuid.uuid4().hex[:10]}", "tier": tier})
+        tenant.raise_for_status()
+        key = admin.post(f"/tenants/{tenant.json()['id']}/keys", json={})
+        key.raise_for_status()
+        return key.json()["secret"]
+
+
+def _chat_line(custom_id: str, content: str = "Hello", **body: Any) -> dict[str, Any]:
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": CHAT,
+        "body": {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": 4,
+            "temperature": 0,
+            **body,
+        },
+    }
+
+
+def _jsonl(lines: list[Any]) -> bytes:
+    return "".join(json.dumps(line) + "\n" for line in lines).encode()
+
+
+def _wait(client: openai.OpenAI, batch_id: str, timeout_s: float = 120.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in TERMINAL:
+            return batch
+        if time.monotonic() > deadline:
+            raise AssertionError(f"batch still {batch.status} after {timeout_s} s: {batch}")
+        time.sleep(0.1)
+
+
+def _results(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    if file_id is None:
+        return []
+    text = client.files.content(file_id).text
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def _submit(client: openai.OpenAI, lines: list[Any] | bytes, endpoint: str = CHAT) -> Any:
+    content = lines if isinstance(lines, bytes) else _jsonl(lines)
+    uploaded = client.files.create(file=("input.jsonl", content), purpose="batch")
+    return client.batches.create(
+        input_file_id=uploaded.id, endpoint=endpoint, completion_window="24h"
+    )
+
+
+async def _usage_rows(database_url: str, request_ids: list[str]) -> list[UsageRow]:
+    engine = create_db_engine(database_url)
+    try:
+        async with create_sessionmaker(engine)() as session:
+            query = select(UsageRow).where(UsageRow.request_id.in_(request_ids))
+            return list((await session.scalars(query)).all())
+    finally:
+        await engine.dispose()
+
+
+def test_batch_end_to_end(live_server: LiveServer) -> None:
+    client = live_server.client(_tenant_key(live_server, "interactive"))
+    lines = [_chat_line(f"q-{i}", f"Question {i}?") for i in range(10)]
+    # A request the live endpoint refuses goes to the error file; the rest still runs.
+    lines.append(_chat_line("too-long", max_tokens=10 * live_server.max_model_len))
+    lines.append(_chat_line("bad-model", model="no-such-model"))
+    content = _jsonl(lines)
+    uploaded = client.files.create(file=("questions.jsonl", content), purpose="batch")
+    assert uploaded.purpose == "batch"
+    assert uploaded.bytes == len(content)
+    assert client.files.retrieve(uploaded.id).filename == "questions.jsonl"
+    assert client.files.content(uploaded.id).content == content
+
+    created = client.batches.create(
+        input_file_id=uploaded.id,
+        endpoint=CHAT,
+        completion_window="24h",
+        metadata={"job": "nightly"},
+    )
+    assert created.status == "validating"
+    assert created.metadata == {"job": "nightly"}
+    assert created.expires_at - created.created_at == 86_400
+    batch = _wait(client, created.id)
+
+    assert batch.status == "completed"
+    assert created.created_at <= batch.in_progress_at <= batch.finalizing_at <= batch.completed_at
+    assert batch.request_counts.total == 12
+    assert batch.request_counts.completed == 10
+    assert batch.request_counts.failed == 2
+    output = {r["custom_id"]: r for r in _results(client, batch.output_file_id)}
+    errors = {r["custom_id"]: r for r in _results(client, batch.error_file_id)}
+    assert set(output) == {f"q-{i}" for i in range(10)}
+    assert set(errors) == {"too-long", "bad-model"}
+    for custom_id, result in output.items():
+        assert result["error"] is None
+        assert result["id"].startswith("batch_req_")
+        response = result["response"]
+        assert response["status_code"] == 200
+        assert response["request_id"].startswith("req_")
+        body = response["body"]
+        assert body["object"] == "chat.completion"
+        assert body["service_tier"] == "batch"  # run at the batch tier
+        assert 1 <= body["usage"]["completion_tokens"] <= 4, custom_id
+    assert errors["too-long"]["response"]["status_code"] == 400
+    assert errors["too-long"]["response"]["body"]["error"]["code"] == "context_length_exceeded"
+    assert errors["bad-model"]["response"]["status_code"] == 404
+    assert errors["bad-model"]["response"]["body"]["error"]["code"] == "model_not_found"
+
+    # The batch's usage is the sum of its lines', and each line is billed at the batch tier.
+    bodies = [r["response"]["body"] for r in output.values()]
+    assert batch.usage.input_tokens == sum(b["usage"]["prompt_tokens"] for b in bodies)
+    assert batch.usage.output_tokens == sum(b["usage"]["completion_tokens"] for b in bodies)
+    request_ids = [r["response"]["request_id"] for r in [*output.values(), *errors.values()]]
+    deadline = time.monotonic() + 10
+    while len(rows := asyncio.run(_usage_rows(live_server.database_url, request_ids))) < 12:
+        assert time.monotonic() < deadline, f"{len(rows)} usage records"
+        time.sleep(0.1)
+    assert {row.tier for row in rows} == {"batch"}
+    assert sorted(row.outcome for row in rows).count("ok") == 10
+
+    # Output files are the tenant's files too.
+    assert client.files.retrieve(batch.output_file_id).purpose == "batch_output"
+    assert created.id in [b.id for b in client.batches.list(limit=100).data]
+
+
+def test_text_completions_batch(live_server: LiveServer) -> None:
+    client = live_server.client(_tenant_key(live_server, "priority"))
+    lines = [
+        {
+            "custom_id": f"c{i}",
+            "method": "POST",
+            "url": COMPLETIONS,
+            "body": {"model": MODEL, "prompt": f"Once {i}", "max_tokens": 3, "temperature": 0},
+        }
+        for i in range(4)
+    ]
+    batch = _wait(client, _submit(client, lines, COMPLETIONS).id)
+    assert batch.status == "completed"
+    output = _results(client, batch.output_file_id)
+    assert sorted(r["custom_id"] for r in output) == ["c0", "c1", "c2", "c3"]
+    for result in output:
+        assert result["response"]["body"]["object"] == "text_completion"
+        # A priority tenant's batch still runs at the batch tier.
+        assert result["response"]["body"]["service_tier"] == "batch"
+    assert batch.error_file_id is None
+
+
+def test_tenant_below_batch_tier_runs_at_its_own(live_server: LiveServer) -> None:
+    with live_server.admin() as admin:
+        name = f"bulk-{uuid.uuid4().hex[:6]}"
+        admin.post("/tiers", json={"name": name, "rank": 7}).raise_for_status()
+    client = live_server.client(_tenant_key(live_server, name))
+    batch = _wait(client, _submit(client, [_chat_line("x")]).id)
+    assert batch.status == "completed"
+    [result] = _results(client, batch.output_file_id)
+    assert result["response"]["body"]["service_tier"] == name
+
+
+@pytest.mark.parametrize(
+    ("raw_lines", "code", "line"),
+    [
+        (["{not json"], "invalid_json_line", 1),
+        ([json.dumps(_chat_line("a")), "[1, 2]"], "invalid_json_line", 2),
+        ([json.dumps({**_chat_line("a"), "url": COMPLETIONS})], "mismatched_url", 1),
+        ([json.dumps(_chat_line("a")), "", json.dumps(_chat_line("a"))], "duplicate_custom_id", 3),
+        ([json.dumps({**_chat_line("a"), "method": "GET"})], "invalid_request", 1),
+        ([json.dumps({**_chat_line("a"), "body": "text"})], "invalid_request", 1),
+        ([json.dumps({**_chat_line("a"), "custom_id": 7})], "invalid_request", 1),
+        (["", "  "], "empty_file", None),
+    ],
+)
+def test_validation_failure_runs_nothing(
+    live_server: LiveServer, raw_lines: list[str], code: str, line: int | None
+) -> None:
+    client = live_server.client(_tenant_key(live_server, "batch"))
+    # One good line comes first: a failed validation must not run it either.
+    good = [] if code == "empty_file" else [json.dumps(_chat_line("good"))]
+    content = "\n".join(good + raw_lines).encode()
+    batch = _wait(client, _submit(client, content).id)
+    assert batch.status == "failed"
+    assert batch.failed_at is not None
+    assert batch.errors is not None
+    first = batch.errors.data[0]
+    assert first.code == code
+    if line is not None:
+        assert first.line == line + len(good)
+    assert batch.request_counts.total == 0
+    assert batch.output_file_id is None
+    assert batch.error_file_id is None
+
+
+@pytest.mark.slow
+def test_more_than_max_lines_fails_validation(live_server: LiveServer) -> None:
+    client = live_server.client(_tenant_key(live_server, "batch"))
+    content = "\n".join(json.dumps(_chat_line(f"x{i}")) for i in range(50_001)).encode()
+    batch = _wait(client, _submit(client, content).id)
+    assert batch.status == "failed"
+    assert batch.errors.data[0].code == "too_many_requests"
+    assert batch.request_counts.total == 0
+
+
+def test_bad_requests_are_typed_errors(live_server: LiveServer) -> None:
+    client = live_server.client(_tenant_key(live_server, "batch"))
+    uploaded = client.files.create(file=("a.jsonl", _jsonl([_chat_line("a")])), purpose="batch")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.files.create(file=("a.jsonl", b"{}"), purpose="fine-tune")
+    assert info.value.body["param"] == "purpose"
+    with pytest.raises(openai.BadRequestError):
+        client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h"
+        )
+    with pytest.raises(openai.BadRequestError):
+        client.batches.create(input_file_id=uploaded.id, endpoint=CHAT, completion_window="1h")
+    with pytest.raises(openai.BadRequestError):
+        client.batches.create(
+            input_file_id=uploaded.id,
+            endpoint=CHAT,
+            completion_window="24h",
+            metadata={"k": 1},  # type: ignore[dict-item]
+        )
+    with pytest.raises(openai.NotFoundError):
+        client.batches.create(input_file_id="file-nope", endpoint=CHAT, completion_window="24h")
+    with pytest.raises(openai.BadRequestError):
+        client.batches.list(limit=0)
+    headers = {"authorization": f"Bearer {client.api_key}"}
+    with httpx.Client(base_url=live_server.base_url, headers=headers) as raw:
+        not_multipart = raw.post("/v1/files", json={"purpose": "batch"})
+        assert not_multipart.status_code == 400
+        no_file = raw.post("/v1/files", files={"purpose": (None, "batch")})
+        assert no_file.status_code == 400
+        assert no_file.json()["error"]["param"] == "file"
+        not_json = raw.post("/v1/batches", content=b"{", headers={"content-type": "text/plain"})
+        assert not_json.status_code == 400
+        unauthenticated = httpx.get(f"{live_server.base_url}/v1/batches")
+        assert unauthenticated.status_code == 401
+
+
+def test_another_tenants_objects_are_404(live_server: LiveServer) -> None:
+    owner = live_server.client(_tenant_key(live_server, "batch"))
+    other = live_server.client(_tenant_key(live_server, "batch"))
+    batch = _wait(owner, _submit(owner, [_chat_line("mine")]).id)
+    file_id = batch.input_file_id
+    for call in (
+        lambda: other.files.retrieve(file_id),
+        lambda: other.files.content(file_id),
+        lambda: other.files.delete(file_id),
+        lambda: other.files.content(batch.output_file_id),
+        lambda: other.batches.retrieve(batch.id),
+        lambda: other.batches.cancel(batch.id),
+        lambda: other.batches.create(input_file_id=file_id, endpoint=CHAT, completion_window="24h"),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert other.batches.list().data == []
+    # The owner still has everything, and may delete it.
+    assert owner.files.delete(file_id).deleted is True
+    with pytest.raises(openai.NotFoundError):
+        owner.files.retrieve(file_id)
+    assert owner.batches.retrieve(batch.id).status == "completed"
+    with pytest.raises(openai.ConflictError):
+        owner.batches.cancel(batch.id)  # a finished batch cannot be cancelled
+
+
+def test_list_pages_newest_first(live_server: LiveServer) -> None:
+    client = live_server.client(_tenant_key(live_server, "batch"))
+    uploaded = client.files.create(file=("a.jsonl", _jsonl([_chat_line("a")])), purpose="batch")
+    ids = [
+        client.batches.create(input_file_id=uploaded.id, endpoint=CHAT, completion_window="24h").id
+        for _ in range(5)
+    ]
+    first = client.batches.list(limit=2)
+    assert [b.id for b in first.data] == ids[::-1][:2]
+    assert first.has_more is True
+    second = client.batches.list(limit=2, after=first.data[-1].id)
+    assert [b.id for b in second.data] == ids[::-1][2:4]
+    last = client.batches.list(limit=2, after=second.data[-1].id)
+    assert [b.id for b in last.data] == ids[:1]
+    assert last.has_more is False
+    # The client's auto-pagination walks the same cursor.
+    assert [b.id for b in client.batches.list(limit=2)] == ids[::-1]
+    for batch_id in ids:
+        _wait(client, batch_id)
+
+
+def _long_lines(n: int) -> list[dict[str, Any]]:
+    return [
+        _chat_line(f"L{i}", f"Tell me a long story number {i}.", max_tokens=200) for i in range(n)
+    ]
+
+
+def _assert_one_result_each(client: openai.OpenAI, batch: Any, n: int) -> tuple[list, list]:
+    output = _results(client, batch.output_file_id)
+    errors = _results(client, batch.error_file_id)
+    ids = [r["custom_id"] for r in output + errors]
+    assert sorted(ids) == sorted(f"L{i}" for i in range(n))  # none missing, none twice
+    assert batch.request_counts.total == n
+    assert batch.request_counts.completed == len(output)
+    assert batch.request_counts.failed == len(errors)
+    return output, errors
+
+
+def test_cancel_returns_partial_results(live_server: LiveServer) -> None:
+    client = live_server.client(_tenant_key(live_server, "batch"))
+    n = 60
+    created = _submit(client, _long_lines(n))
+    deadline = time.monotonic() + 60
+    while client.batches.retrieve(created.id).request_counts.completed < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    cancelling = client.batches.cancel(created.id)
+    assert cancelling.status in ("cancelling", "cancelled")
+    assert cancelling.cancelling_at is not None
+    batch = _wait(client, created.id)
+    assert batch.status == "cancelled"
+    assert batch.cancelled_at is not None
+    output, errors = _assert_one_result_each(client, batch, n)
+    assert len(output) >= 2
+    assert errors, "the batch finished before the cancel; make the lines longer"
+    assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
+    assert all(e["response"] is None for e in errors)
+    assert client.batches.cancel(created.id).status == "cancelled"  # idempotent
+
+
+def test_expiry_returns_finished_lines_and_expires_the_rest(live_server: LiveServer) -> None:
+    with live_server.admin() as admin:
+        name = f"nightly-{uuid.uuid4().hex[:6]}"
+        tier = {"name": name, "rank": 9, "completion_window_s": 1, "preemptible": True}
+        admin.post("/tiers", json=tier).raise_for_status()
+    client = live_server.client(_tenant_key(live_server, name))
+    n = 60
+    created = _submit(client, _long_lines(n))
+    assert created.expires_at - created.created_at == 1  # the tier's window is shorter
+    batch = _wait(client, created.id)
+    assert batch.status == "expired"
+    assert batch.expired_at is not None
+    _output, errors = _assert_one_result_each(client, batch, n)
+    assert errors
+    assert {e["error"]["code"] for e in errors} == {"batch_expired"}
