@@ -152,6 +152,20 @@ class UsageRow(Base):
     __table_args__ = (
         Index("ix_usage_records_tenant_id_created_at", "tenant_id", "created_at"),
         Index("ix_usage_records_tier_created_at", "tier", "created_at"),
+        # /admin/v1/usage: a time range over every tenant (migration 0004).
+        Index(
+            "ix_usage_records_created_at",
+            "created_at",
+            postgresql_include=[
+                "tenant_id",
+                "tier",
+                "outcome",
+                "prompt_tokens",
+                "completion_tokens",
+                "ttft_ms",
+                "e2e_ms",
+            ],
+        ),
     )
 
     # SQLite only autoincrements an INTEGER PRIMARY KEY.
