@@ -36,6 +36,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: Priority | None
+    resumed_token_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -127,15 +128,17 @@ class AsyncEngine:
         *,
         request_id: str | None = None,
         priority: Priority | None = None,
+        resumed_token_ids: Sequence[int] = (),
     ) -> AsyncIterator[RequestOutput]:
         """Yield a RequestOutput per generated token, the last with `finished` set.
 
         Bad input raises a typed EngineError on the first iteration. Leaving the
         iteration early (break, cancellation) aborts the request and frees its blocks.
+        `resumed_token_ids`: see LLMEngine.add_request.
         """
         if self._dead is not None:
             raise self._dead
-        self._engine.validate(prompt_token_ids, params)
+        self._engine.validate(prompt_token_ids, params, resumed_token_ids)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
@@ -146,7 +149,15 @@ class AsyncEngine:
                     f"request id {request_id!r} is already in use", param="request_id"
                 )
             self._streams[request_id] = stream
-            self._commands.append(_Add(request_id, list(prompt_token_ids), params, priority))
+            self._commands.append(
+                _Add(
+                    request_id,
+                    list(prompt_token_ids),
+                    params,
+                    priority,
+                    tuple(resumed_token_ids),
+                )
+            )
             self._wake.notify()
         is_done = False
         try:
@@ -201,7 +212,11 @@ class AsyncEngine:
             return
         try:
             self._engine.add_request(
-                command.request_id, command.prompt_token_ids, command.params, command.priority
+                command.request_id,
+                command.prompt_token_ids,
+                command.params,
+                command.priority,
+                resumed_token_ids=command.resumed_token_ids,
             )
         except EngineError as exc:
             # Refused at add (for example a duplicate id): that caller alone gets it.

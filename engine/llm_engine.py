@@ -8,6 +8,7 @@ Not thread-safe: AsyncEngine drives it from one thread.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -124,14 +125,23 @@ class LLMEngine:
         self._decode_tokens_per_s = 0.0
 
     # ----------------------------------------------------------------- requests
-    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+    def validate(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        resumed_token_ids: Sequence[int] = (),
+    ) -> None:
         """Raise the typed error `add_request` would raise; reads only immutable state,
         so another thread may call it."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params must be SamplingParams", param="params")
         if len(prompt_token_ids) == 0:
             raise InvalidRequestError("the prompt must hold at least one token", param="prompt")
-        for token in prompt_token_ids:
+        if len(resumed_token_ids) >= params.max_tokens:
+            raise InvalidRequestError(
+                "the resumed tokens already reach max_tokens", param="max_tokens"
+            )
+        for token in itertools.chain(prompt_token_ids, resumed_token_ids):
             if isinstance(token, bool) or not isinstance(token, int):
                 raise InvalidRequestError("token ids must be integers", param="prompt")
             if not 0 <= token < self.vocab_size:
@@ -152,17 +162,25 @@ class LLMEngine:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         priority: Priority | None = None,
+        *,
+        resumed_token_ids: Sequence[int] = (),
     ) -> None:
-        """Queue a request; raises a typed error (and changes nothing) if it cannot run."""
-        self.validate(prompt_token_ids, params)
+        """Queue a request; raises a typed error (and changes nothing) if it cannot run.
+
+        `resumed_token_ids` are output tokens an earlier run already sent (a job whose
+        lease moved here): generation continues after them, they count toward
+        max_tokens and appear in `token_ids`, but not in `text` or any delta.
+        """
+        self.validate(prompt_token_ids, params, resumed_token_ids)
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             params=params,
             priority=priority or Priority(arrival_s=time.monotonic()),
+            output_token_ids=list(resumed_token_ids),
         )
         self.scheduler.add(request)
-        detokenizer = self.tokenizer.detokenizer(request.prompt_token_ids, params.stop)
+        detokenizer = self.tokenizer.detokenizer(request.all_token_ids, params.stop)
         self._tracked[request_id] = _Tracked(request, detokenizer)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

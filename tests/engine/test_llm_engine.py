@@ -166,3 +166,16 @@ def test_chat_renders_the_template(llm: LLM) -> None:
     out = llm.chat(messages, SamplingParams(max_tokens=4, temperature=0.0))[0]
     assert out.prompt_token_ids == llm.tokenizer.apply_chat_template(messages)
     assert out.num_output_tokens >= 1
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(max_tokens=24, seed=99)])
+def test_a_resumed_request_continues_where_it_left_off(llm: LLM, params) -> None:
+    full = llm.generate([PROMPT], params)[0].token_ids
+    outputs = []
+    llm.engine.add_request("resumed", PROMPT, params, resumed_token_ids=full[:9])
+    while llm.engine.has_unfinished():
+        outputs += llm.engine.step()
+    assert outputs[-1].token_ids == full
+    assert [t for o in outputs for t in o.new_token_ids] == full[9:]
+    with pytest.raises(InvalidRequestError, match="resumed"):
+        llm.engine.add_request("too-many", PROMPT, params, resumed_token_ids=full)
