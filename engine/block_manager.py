@@ -131,7 +131,9 @@ class BlockManager:
         num_full = (request.num_tokens - 1) // self.block_size
         if num_full == 0:
             return []
-        hashes = self._chain_hashes(request, num_full)
+        # Not memoised: only requests holding blocks keep a hash chain, so a chain can
+        # never outlive the tokens it was computed from.
+        hashes = self._chain_hashes(request, num_full, [])
         tokens = request.all_token_ids
         size = self.block_size
         hits: list[int] = []
@@ -157,7 +159,9 @@ class BlockManager:
         start = self._num_published.get(request.request_id, 0)
         if num_full <= start:
             return
-        hashes = self._chain_hashes(request, num_full)
+        hashes = self._chain_hashes(
+            request, num_full, self._hashes.setdefault(request.request_id, [])
+        )
         tokens = request.all_token_ids
         size = self.block_size
         for i in range(start, num_full):
@@ -171,8 +175,8 @@ class BlockManager:
                 self._cached[hashes[i]] = block.block_id
         self._num_published[request.request_id] = num_full
 
-    def _chain_hashes(self, request: Request, num_full: int) -> list[int]:
-        hashes = self._hashes.setdefault(request.request_id, [])
+    def _chain_hashes(self, request: Request, num_full: int, hashes: list[int]) -> list[int]:
+        """Extend `hashes` to the chain of the request's first `num_full` blocks."""
         if len(hashes) < num_full:
             tokens = request.all_token_ids
             size = self.block_size
@@ -242,6 +246,10 @@ class BlockManager:
             raise ValueError("num_new_tokens must be >= 0")
         if cached_blocks and request.block_ids:
             raise ValueError("cache hits can only start a request that holds no blocks")
+        if request.block_ids and len(request.block_ids) * self.block_size >= (
+            request.num_computed_tokens + num_new_tokens
+        ):
+            return True  # the common decode step: the last block still has room
         needed = self.num_blocks_to_allocate(request, num_new_tokens, cached_blocks)
         if needed > self.num_free_blocks - reserve_blocks:
             return False

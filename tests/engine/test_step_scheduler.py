@@ -276,6 +276,25 @@ def test_prefix_cache_hit_skips_computed_blocks() -> None:
     runner.drain()
 
 
+def test_running_requests_share_their_prefix_with_newcomers() -> None:
+    scheduler = new_scheduler(num_blocks=32, block_size=4)
+    runner = SimRunner(scheduler)
+    prompt = list(range(12))
+    first = make_request("first", prompt, max_tokens=10)
+    scheduler.add(first)
+    runner.step()
+    runner.step()
+    second = make_request("second", [*prompt, 50, 51], max_tokens=2)
+    scheduler.add(second)
+    plan = runner.step()
+    assert first.status is RequestStatus.RUNNING
+    assert second.num_cached_tokens == 12
+    assert second.block_ids[:3] == first.block_ids[:3]
+    assert all(scheduler.block_manager.ref_count(b) == 2 for b in first.block_ids[:3])
+    assert plan.chunks[-1].start == 12
+    runner.drain()
+
+
 def test_schedule_copes_with_engine_not_appending() -> None:
     # A decode whose sampled token never arrived has nothing to run; it is skipped.
     scheduler = new_scheduler()
