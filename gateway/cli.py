@@ -68,8 +68,10 @@ def _parser() -> argparse.ArgumentParser:
     migrate.set_defaults(func=_migrate)
 
     from gateway.admin_cli import add_admin_parser
+    from gateway.batch_cli import add_batch_parser
 
     add_admin_parser(commands)
+    add_batch_parser(commands)
     return parser
 
 

@@ -19,7 +19,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
+import socket
 import time
 from dataclasses import dataclass, field
 
@@ -77,7 +79,8 @@ class BatchDriver:
         self._runner = runner
         self._tiers = tiers
         self.config = config or DriverConfig()
-        self.owner_id = f"gw-{secrets.token_hex(8)}"
+        # Host and pid say which process drives a batch (an operator reads it in SQL).
+        self.owner_id = f"{socket.gethostname()[:32]}:{os.getpid()}:{secrets.token_hex(6)}"
         self._driving: dict[str, asyncio.Task[None]] = {}
         self._pokes: dict[str, asyncio.Event] = {}
         self._wake = asyncio.Event()

@@ -13,7 +13,7 @@ import json
 import time
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
 from engine.errors import EngineDeadError, EngineError, RequestAbortedError
 from gateway.auth import Principal
@@ -23,9 +23,18 @@ from gateway.openai.responses import ResponseShape, Usage
 from gateway.openai.schemas import parse_chat_request, parse_completion_request
 from gateway.tiers import TierPolicy
 from gateway.usage import UsageRecord, UsageWriter
-from scheduler.dispatcher import Dispatcher
+from scheduler.job import Job
 
 CHAT_ENDPOINT = "/v1/chat/completions"
+
+
+class JobSubmitter(Protocol):
+    """The submit/cancel facade the routes use too (the local Dispatcher, or the queue
+    client of a Redis fleet): submit returns a stream of outputs with `queue_wait_ms`."""
+
+    def submit(self, job: Job) -> Any: ...
+
+    async def cancel(self, job_id: str) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -50,10 +59,10 @@ class LineRunner:
     """Admits and runs single batch lines through the live endpoint's code path."""
 
     def __init__(
-        self, routes: openai_routes.OpenAIRoutes, dispatcher: Dispatcher, usage: UsageWriter
+        self, routes: openai_routes.OpenAIRoutes, jobs: JobSubmitter, usage: UsageWriter
     ) -> None:
         self._routes = routes
-        self._dispatcher = dispatcher
+        self._jobs = jobs
         self._usage = usage
 
     @property
@@ -85,7 +94,7 @@ class LineRunner:
             self._usage.record(record.finish(f"rejected:{error_code(exc)}"))
             return _error_outcome(request_id, exc)
         record.prompt_tokens = job.num_prompt_tokens
-        stream = self._dispatcher.submit(job)
+        stream = self._jobs.submit(job)
         pieces: list[str] = []
         finish_reason: str | None = None
         try:
@@ -118,7 +127,7 @@ class LineRunner:
 
     def cancel(self, request_id: str) -> Any:
         """Drop a queued line or abort a running one (its run raises RequestAbortedError)."""
-        return self._dispatcher.cancel(request_id)
+        return self._jobs.cancel(request_id)
 
     def _admit(
         self,
@@ -129,7 +138,7 @@ class LineRunner:
         deadline_s: float,
         *,
         chat: bool,
-    ):
+    ) -> Job:
         # The live endpoint's own steps, in its order (see gateway.openai.routes._serve).
         body = body_json.encode("utf-8")
         parsed = parse_chat_request(body) if chat else parse_completion_request(body)

@@ -9,7 +9,7 @@ from starlette.routing import BaseRoute
 
 from gateway.auth import KeyAuthenticator
 from gateway.batches.driver import BatchDriver, DriverConfig
-from gateway.batches.lines import LineRunner
+from gateway.batches.lines import JobSubmitter, LineRunner
 from gateway.batches.routes import BatchDeps, BatchRoutes
 from gateway.batches.store import BatchStore
 from gateway.batches.validation import ValidationLimits
@@ -17,7 +17,6 @@ from gateway.openai.routes import OpenAIRoutes
 from gateway.settings import Settings
 from gateway.tiers import TierCatalog
 from gateway.usage import UsageWriter
-from scheduler.dispatcher import Dispatcher
 
 FILES_PATH = "/v1/files"
 
@@ -38,14 +37,15 @@ async def start_batch_api(
     auth: KeyAuthenticator,
     tiers: TierCatalog,
     openai: OpenAIRoutes,
-    dispatcher: Dispatcher,
+    dispatcher: JobSubmitter,
     usage: UsageWriter,
     stack: contextlib.AsyncExitStack,
 ) -> list[BaseRoute]:
     """Start this gateway's batch driver (stopped by `stack`) and return the routes.
 
-    Push this after the dispatcher, so that the driver stops first: its in-flight lines
-    are aborted while the dispatcher still runs, and its leases are released.
+    `dispatcher` is whatever the routes submit jobs through (submit/cancel). Call this
+    after it is started, so that the driver stops first: its in-flight lines are aborted
+    while the dispatcher still runs, and its leases are released.
     """
     store = BatchStore(sessionmaker)
     config = DriverConfig(

@@ -1,0 +1,276 @@
+"""`tiergate batch ...`: submit a JSONL file as a batch, follow it, fetch its results.
+
+    tiergate batch submit FILE.jsonl [--endpoint /v1/chat/completions] [--wait]
+    tiergate batch status BATCH_ID
+    tiergate batch results BATCH_ID -o out.jsonl [--errors errors.jsonl]
+    tiergate batch cancel BATCH_ID
+
+The server is `--url` (TIERGATE_URL, default http://127.0.0.1:8000), the tenant key
+`--api-key` (TIERGATE_API_KEY, else OPENAI_API_KEY). `--wait` draws a progress bar
+(completed/failed/total, rate, ETA) until the batch ends. Exit status: 0 on success, 1
+for an API error or a batch that did not complete, 2 for bad usage or an unreachable
+server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+from urllib.parse import quote
+
+import httpx
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+TERMINAL_STATUSES = frozenset({"completed", "failed", "expired", "cancelled"})
+BAR_WIDTH = 30
+
+
+class ApiError(Exception):
+    """The server answered with an error (printed as its JSON body)."""
+
+    def __init__(self, payload: Any) -> None:
+        super().__init__(json.dumps(payload))
+        self.payload = payload
+
+
+class BatchClient:
+    """The few Files and Batches calls the CLI makes, over httpx."""
+
+    def __init__(self, url: str, api_key: str, *, timeout_s: float) -> None:
+        self._http = httpx.Client(
+            base_url=url.rstrip("/") + "/v1",
+            headers={"authorization": f"Bearer {api_key}"},
+            timeout=timeout_s,
+        )
+
+    def __enter__(self) -> BatchClient:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._http.close()
+
+    def _check(self, response: httpx.Response) -> httpx.Response:
+        if not response.is_success:
+            try:
+                payload = response.json()
+            except ValueError:
+                payload = {"status": response.status_code, "body": response.text}
+            raise ApiError(payload)
+        return response
+
+    def upload(self, path: Path) -> dict[str, Any]:
+        with path.open("rb") as handle:
+            files = {"file": (path.name, handle, "application/jsonl")}
+            return self._check(
+                self._http.post("/files", data={"purpose": "batch"}, files=files)
+            ).json()
+
+    def create(self, file_id: str, endpoint: str, metadata: dict[str, str]) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "input_file_id": file_id,
+            "endpoint": endpoint,
+            "completion_window": "24h",
+        }
+        if metadata:
+            body["metadata"] = metadata
+        return self._check(self._http.post("/batches", json=body)).json()
+
+    def get(self, batch_id: str) -> dict[str, Any]:
+        return self._check(self._http.get(f"/batches/{quote(batch_id, safe='')}")).json()
+
+    def cancel(self, batch_id: str) -> dict[str, Any]:
+        return self._check(self._http.post(f"/batches/{quote(batch_id, safe='')}/cancel")).json()
+
+    def content(self, file_id: str) -> bytes:
+        return self._check(self._http.get(f"/files/{quote(file_id, safe='')}/content")).content
+
+
+def add_batch_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `batch` and its commands; each leaf sets `func(args) -> int`."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--url",
+        default=os.environ.get("TIERGATE_URL", DEFAULT_URL),
+        help="tiergate server (TIERGATE_URL, default %(default)s)",
+    )
+    common.add_argument(
+        "--api-key",
+        default=os.environ.get("TIERGATE_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+        help="tenant API key (TIERGATE_API_KEY, else OPENAI_API_KEY)",
+    )
+    common.add_argument("--timeout-s", type=float, default=60.0, help="HTTP timeout")
+
+    batch = subparsers.add_parser("batch", help="run JSONL files through the Batch API")
+    actions = batch.add_subparsers(metavar="ACTION")
+    batch.set_defaults(func=lambda _args: _usage(batch))
+
+    submit = actions.add_parser(
+        "submit", help="upload a JSONL file and start a batch", parents=[common]
+    )
+    submit.add_argument("file", type=Path, help="JSONL input, one request per line")
+    submit.add_argument("--endpoint", choices=ENDPOINTS, default=ENDPOINTS[0])
+    submit.add_argument(
+        "--metadata", action="append", default=[], metavar="KEY=VALUE", help="repeatable"
+    )
+    submit.add_argument("--wait", action="store_true", help="follow the batch until it ends")
+    submit.add_argument("--poll-s", type=float, default=1.0, help="how often --wait polls")
+    submit.set_defaults(func=lambda args: _run(args, _submit))
+
+    status = actions.add_parser("status", help="show a batch", parents=[common])
+    status.add_argument("batch_id")
+    status.set_defaults(func=lambda args: _run(args, lambda c, a: _print(c.get(a.batch_id))))
+
+    results = actions.add_parser("results", help="download a batch's results", parents=[common])
+    results.add_argument("batch_id")
+    results.add_argument("-o", "--output", type=Path, required=True, help="results JSONL")
+    results.add_argument(
+        "--errors", type=Path, help="error lines go here (default: after the results in -o)"
+    )
+    results.set_defaults(func=lambda args: _run(args, _results))
+
+    cancel = actions.add_parser("cancel", help="cancel a batch", parents=[common])
+    cancel.add_argument("batch_id")
+    cancel.set_defaults(func=lambda args: _run(args, lambda c, a: _print(c.cancel(a.batch_id))))
+    return batch
+
+
+def _usage(parser: argparse.ArgumentParser) -> int:
+    parser.print_help(sys.stderr)
+    return 2
+
+
+def _run(args: argparse.Namespace, action: Callable[[BatchClient, argparse.Namespace], int]) -> int:
+    if not args.api_key:
+        print("tiergate batch: set --api-key or TIERGATE_API_KEY", file=sys.stderr)
+        return 2
+    try:
+        with BatchClient(args.url, args.api_key, timeout_s=args.timeout_s) as client:
+            return action(client, args)
+    except ApiError as exc:
+        print(json.dumps(exc.payload, indent=2), file=sys.stderr)
+        return 1
+    except httpx.HTTPError as exc:
+        print(f"tiergate batch: cannot reach {args.url}: {exc}", file=sys.stderr)
+        return 2
+
+
+def _print(payload: Any) -> int:
+    print(json.dumps(payload, indent=2))
+    return 0
+
+
+def _submit(client: BatchClient, args: argparse.Namespace) -> int:
+    if not args.file.is_file():
+        print(f"tiergate batch: no such file: {args.file}", file=sys.stderr)
+        return 2
+    metadata = {}
+    for pair in args.metadata:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            print(f"tiergate batch: --metadata wants KEY=VALUE, not {pair!r}", file=sys.stderr)
+            return 2
+        metadata[key] = value
+    uploaded = client.upload(args.file)
+    batch = client.create(uploaded["id"], args.endpoint, metadata)
+    if not args.wait:
+        return _print(batch)
+    print(batch["id"], file=sys.stderr)
+    batch = follow(client, batch["id"], poll_s=args.poll_s, out=sys.stderr)
+    _print(batch)
+    return 0 if batch["status"] == "completed" else 1
+
+
+def follow(client: BatchClient, batch_id: str, *, poll_s: float, out: TextIO) -> dict[str, Any]:
+    """Poll until the batch ends, drawing its progress; the final batch object."""
+    started_s = time.monotonic()
+    first_done: int | None = None
+    is_tty = out.isatty()
+    last_line = ""
+    while True:
+        batch = client.get(batch_id)
+        counts = batch["request_counts"]
+        done = counts["completed"] + counts["failed"]
+        if first_done is None:
+            first_done = done  # a resumed --wait measures its own rate
+        line = progress_line(
+            batch["status"],
+            counts["completed"],
+            counts["failed"],
+            counts["total"],
+            time.monotonic() - started_s,
+            done - first_done,
+        )
+        if is_tty:
+            out.write("\r" + line.ljust(len(last_line)))
+        elif line != last_line:
+            out.write(line + "\n")
+        out.flush()
+        last_line = line
+        if batch["status"] in TERMINAL_STATUSES:
+            if is_tty:
+                out.write("\n")
+            return batch
+        time.sleep(poll_s)
+
+
+def progress_line(
+    status: str, completed: int, failed: int, total: int, elapsed_s: float, num_new: int
+) -> str:
+    """`[#####-----] 12/40 done (1 failed) 3.2 req/s ETA 0:00:09 in_progress`."""
+    done = completed + failed
+    filled = int(BAR_WIDTH * done / total) if total else 0
+    bar = "#" * filled + "-" * (BAR_WIDTH - filled)
+    rate = num_new / elapsed_s if elapsed_s > 0 else 0.0
+    eta = "--:--:--"
+    if rate > 0 and total:
+        eta = _clock((total - done) / rate)
+    return f"[{bar}] {done}/{total} done ({failed} failed) {rate:.1f} req/s ETA {eta} {status}"
+
+
+def _clock(seconds: float) -> str:
+    whole = round(seconds)
+    return f"{whole // 3600}:{whole % 3600 // 60:02d}:{whole % 60:02d}"
+
+
+def _results(client: BatchClient, args: argparse.Namespace) -> int:
+    batch = client.get(args.batch_id)
+    if batch["status"] not in TERMINAL_STATUSES:
+        print(
+            f"tiergate batch: {args.batch_id} is {batch['status']}; results come when it ends",
+            file=sys.stderr,
+        )
+        return 1
+    output = client.content(batch["output_file_id"]) if batch["output_file_id"] else b""
+    errors = client.content(batch["error_file_id"]) if batch["error_file_id"] else b""
+    if args.errors is not None:
+        args.output.write_bytes(output)
+        args.errors.write_bytes(errors)
+    else:
+        args.output.write_bytes(output + errors)
+    num_output = output.count(b"\n")
+    num_errors = errors.count(b"\n")
+    print(
+        f"{num_output} results and {num_errors} errors of batch {args.batch_id} "
+        f"({batch['status']})",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m gateway.batch_cli ...` (the same commands as `tiergate batch ...`)."""
+    parser = argparse.ArgumentParser(prog="tiergate")
+    add_batch_parser(parser.add_subparsers())
+    args = parser.parse_args(["batch", *(sys.argv[1:] if argv is None else argv)])
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""`tiergate batch submit|status|results|cancel` against a live server."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from gateway.batch_cli import progress_line
+from gateway.cli import main
+
+if TYPE_CHECKING:
+    from tests.gateway.conftest import LiveServer
+
+
+def _key(server: LiveServer) -> str:
+    with server.admin() as admin:
+        tenant = admin.post(
+            "/tenants", json={"name": f"cli-{uuid.uuid4().hex[:8]}", "tier": "batch"}
+        )
+        tenant.raise_for_status()
+        key = admin.post(f"/tenants/{tenant.json()['id']}/keys", json={})
+        key.raise_for_status()
+        return key.json()["secret"]
+
+
+def _input(tmp_path: Path, n: int) -> Path:
+    path = tmp_path / "in.jsonl"
+    lines = []
+    for i in range(n):
+        body = {"model": "tiny-random", "prompt": f"Row {i}", "max_tokens": 3, "temperature": 0}
+        lines.append(
+            {"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": body}
+        )
+    lines.append(
+        {
+            "custom_id": "bad",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": "tiny-random", "prompt": "x", "max_tokens": 100_000},
+        }
+    )
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def test_submit_wait_results_status_cancel(
+    live_server: LiveServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags = ["--url", live_server.base_url, "--api-key", _key(live_server)]
+    path = _input(tmp_path, 5)
+    code = main(
+        [
+            "batch",
+            "submit",
+            str(path),
+            "--endpoint",
+            "/v1/completions",
+            "--wait",
+            "--poll-s",
+            "0.05",
+            "--metadata",
+            "run=cli",
+            *flags,
+        ]
+    )
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    batch = json.loads(captured.out)
+    assert batch["status"] == "completed"
+    assert batch["metadata"] == {"run": "cli"}
+    assert "6/6 done (1 failed)" in captured.err  # the last progress line
+
+    assert main(["batch", "status", batch["id"], *flags]) == 0
+    assert json.loads(capsys.readouterr().out)["request_counts"]["completed"] == 5
+
+    out, errors = tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
+    assert (
+        main(["batch", "results", batch["id"], "-o", str(out), "--errors", str(errors), *flags])
+        == 0
+    )
+    assert sorted(json.loads(x)["custom_id"] for x in out.read_text().splitlines()) == [
+        f"r{i}" for i in range(5)
+    ]
+    [error] = [json.loads(x) for x in errors.read_text().splitlines()]
+    assert error["custom_id"] == "bad"
+    assert error["response"]["status_code"] == 400
+    both = tmp_path / "both.jsonl"
+    assert main(["batch", "results", batch["id"], "-o", str(both), *flags]) == 0
+    assert len(both.read_text().splitlines()) == 6
+    capsys.readouterr()
+
+    # A finished batch cannot be cancelled: the API's 409 is printed, exit status 1.
+    assert main(["batch", "cancel", batch["id"], *flags]) == 1
+    assert json.loads(capsys.readouterr().err)["error"]["code"] == "batch_not_active"
+
+
+def test_errors_and_usage(live_server: LiveServer, tmp_path: Path, capsys) -> None:
+    path = _input(tmp_path, 1)
+    base = ["--url", live_server.base_url]
+    assert main(["batch", "status", "batch_nope", *base, "--api-key", _key(live_server)]) == 1
+    assert json.loads(capsys.readouterr().err)["error"]["code"] == "batch_not_found"
+    assert main(["batch", "submit", str(path), *base, "--api-key", "tg-" + "x" * 43]) == 1
+    assert main(["batch", "submit", str(tmp_path / "missing.jsonl"), *base, "--api-key", "k"]) == 2
+    unreachable = ["--url", "http://127.0.0.1:9", "--api-key", "k", "--timeout-s", "2"]
+    assert main(["batch", "status", "batch_x", *unreachable]) == 2
+
+
+def test_progress_line() -> None:
+    line = progress_line("in_progress", 10, 2, 40, 4.0, 12)
+    assert line.startswith("[#########" + "-" * 21 + "] 12/40 done (2 failed)")
+    assert "3.0 req/s" in line
+    assert "ETA 0:00:09" in line
+    assert "ETA --:--:--" in progress_line("validating", 0, 0, 0, 1.0, 0)
