@@ -7,7 +7,10 @@ derive per-tier and per-tenant key names at run time from the prefix.
 
 Families (after the prefix):
 - `seq`                   string, arrival counter (orders jobs within a tenant)
-- `tiers`                 hash, tier name -> JSON of its TierConfig
+- `tiers`                 hash, tier name -> JSON of its TierConfig (read by get_tiers)
+- `tier_policy`           hash, the same table in the form the scripts read without
+                          decoding JSON: `rank:<tier>`, `min_share:<tier>` and (when set)
+                          `max_queued:<tier>` -> number; written with `tiers`, atomically
 - `depth`                 hash, tier -> number of queued jobs (fields at 0 are removed)
 - `job:<id>`              hash, one job's record; expires after it finishes
 - `tq:<tier>:<tenant>`    sorted set, the tenant's queued job ids scored by arrival seq
@@ -31,6 +34,7 @@ Families (after the prefix):
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 DEFAULT_PREFIX = "{tiergate}:"
@@ -39,6 +43,7 @@ DEFAULT_PREFIX = "{tiergate}:"
 FAMILIES: dict[str, str] = {
     "seq": "seq",
     "tiers": "tiers",
+    "tier_policy": "tier_policy",
     "depth": "depth",
     "job": "job:",
     "tq": "tq:",
@@ -61,12 +66,15 @@ FAMILIES: dict[str, str] = {
 }
 
 
-def lua_key_table() -> str:
+def lua_key_table(families: Iterable[str] | None = None) -> str:
     """Lua code defining `K`, the key names built from the prefix passed as ARGV[1].
 
-    It is prepended to every script, so the names live here and nowhere else.
+    It is prepended to every script, so the names live here and nowhere else. Building
+    the table runs on every call, so a script gets only the `families` it uses (all of
+    them when None).
     """
-    entries = ", ".join(f"{name} = P .. '{suffix}'" for name, suffix in FAMILIES.items())
+    wanted = FAMILIES if families is None else {f: FAMILIES[f] for f in sorted(set(families))}
+    entries = ", ".join(f"{name} = P .. '{suffix}'" for name, suffix in wanted.items())
     return f"local P = ARGV[1]\nlocal K = {{{entries}}}\n"
 
 
@@ -86,6 +94,10 @@ class KeySpace:
     @property
     def tiers(self) -> str:
         return self._key("tiers")
+
+    @property
+    def tier_policy(self) -> str:
+        return self._key("tier_policy")
 
     @property
     def depth(self) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import asdict, replace
 from importlib import resources
@@ -42,6 +43,10 @@ from scheduler.keys import KeySpace, lua_key_table
 from scheduler.memory_backend import wall_clock_ms
 from scheduler.policy import PolicyConfig, TierConfig
 
+# Jobs per script call in enqueue_many and dispatch_many: enough to spread the fixed cost
+# of a call, few enough that one call holds Redis (single-threaded) for at most a few ms.
+MAX_JOBS_PER_CALL = 50
+
 _SCRIPTS = (
     "enqueue",
     "dispatch",
@@ -55,12 +60,39 @@ _SCRIPTS = (
 )
 
 
+_LUA_NAME = re.compile(r"^local (?:function )?(\w+)", re.MULTILINE)
+_LUA_KEY_FAMILY = re.compile(r"\bK\.(\w+)")
+
+
 def load_script_source(name: str, *, with_queue_lib: bool = True) -> str:
-    """The full source of scheduler/lua/<name>.lua as sent to Redis (key table + helpers)."""
+    """The full source of scheduler/lua/<name>.lua as sent to Redis (key table + helpers).
+
+    Redis runs a script's whole body on every call, so it gets only the helper blocks of
+    _lib.lua it uses (directly or through another helper) and only the key names those
+    reference: building unused keys and closures was a measurable part of each call.
+    """
     lua = resources.files("scheduler") / "lua"
     source = (lua / f"{name}.lua").read_text(encoding="utf-8")
-    lib = (lua / "_lib.lua").read_text(encoding="utf-8") if with_queue_lib else ""
-    return lua_key_table() + lib + source
+    lib = _used_helpers((lua / "_lib.lua").read_text(encoding="utf-8"), source)
+    if not with_queue_lib:
+        lib = ""
+    families = _LUA_KEY_FAMILY.findall(lib + source)
+    return lua_key_table(families) + lib + source
+
+
+def _used_helpers(lib: str, source: str) -> str:
+    """The blocks of `lib` (separated by blank lines) whose name `source` needs."""
+    blocks = [b for b in lib.split("\n\n") if _LUA_NAME.search(b)]
+    named = {_LUA_NAME.search(b).group(1): b for b in blocks}  # type: ignore[union-attr]
+    wanted: set[str] = set()
+    pending = [source]
+    while pending:
+        text = pending.pop()
+        for helper, block in named.items():
+            if helper not in wanted and re.search(rf"\b{helper}\b", text):
+                wanted.add(helper)
+                pending.append(block)
+    return "".join(b + "\n\n" for b in blocks if _LUA_NAME.search(b).group(1) in wanted)  # type: ignore[union-attr]
 
 
 @contextlib.contextmanager
@@ -103,6 +135,16 @@ class RedisBackend:
         self._finished_ttl_ms = finished_ttl_ms
         self._result_ttl_ms = result_ttl_ms
         self._max_reclaim = max_reclaim
+        # The policy knobs as the dispatch script reads them, formatted once.
+        c = self._config
+        self._policy_args = (
+            repr(float(c.input_token_weight)),
+            repr(float(c.output_token_weight)),
+            c.share_bucket_ms,
+            c.share_buckets,
+            c.deadline_margin_ms,
+            c.max_expired_per_dispatch,
+        )
         self._scripts = {
             name: client.register_script(load_script_source(name)) for name in _SCRIPTS
         }
@@ -125,11 +167,12 @@ class RedisBackend:
         policy.validate_tiers(tiers)
         with unavailable_as_error():
             async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.delete(self._keys.tiers)
+                pipe.delete(self._keys.tiers, self._keys.tier_policy)
                 if tiers:
                     pipe.hset(
                         self._keys.tiers, mapping={t.name: json.dumps(asdict(t)) for t in tiers}
                     )
+                    pipe.hset(self._keys.tier_policy, mapping=_tier_policy_fields(tiers))
                 await pipe.execute()
 
     async def get_tiers(self) -> list[TierConfig]:
@@ -140,21 +183,7 @@ class RedisBackend:
     # -- queue -------------------------------------------------------------------------
 
     async def enqueue(self, job: Job) -> None:
-        deadline = policy.deadline_ms(job)
-        expire = policy.expire_at_ms(job)
-        outcome = await self._run(
-            "enqueue",
-            self._clock_ms(),
-            job.job_id,
-            job.to_json(),
-            job.tier,
-            job.tenant_id,
-            repr(float(job.weight)),
-            job.num_prompt_tokens,
-            job.params.max_tokens,
-            "" if deadline is None else deadline,
-            "" if expire is None else expire,
-        )
+        (outcome,) = await self._run("enqueue", self._clock_ms(), *_enqueue_fields(job))
         if outcome == "unknown_tier":
             raise UnknownTierError(job.tier)
         if outcome == "duplicate":
@@ -164,79 +193,52 @@ class RedisBackend:
             cap = tiers[job.tier].max_queued_jobs if job.tier in tiers else 0
             raise QueueFullError(job.tier, cap or 0)
 
-    def _enqueue_args(self, job: Job) -> list[object]:
-        deadline = policy.deadline_ms(job)
-        expire = policy.expire_at_ms(job)
-        return [
-            self._keys.prefix,
-            self._clock_ms(),
-            job.job_id,
-            job.to_json(),
-            job.tier,
-            job.tenant_id,
-            repr(float(job.weight)),
-            job.num_prompt_tokens,
-            job.params.max_tokens,
-            "" if deadline is None else deadline,
-            "" if expire is None else expire,
-        ]
-
-    def _dispatch_args(self, worker_id: str, lease_ms: int) -> list[object]:
-        c = self._config
-        return [
-            self._keys.prefix,
-            self._clock_ms(),
-            worker_id,
-            lease_ms,
-            repr(float(c.input_token_weight)),
-            repr(float(c.output_token_weight)),
-            c.share_bucket_ms,
-            c.share_buckets,
-            c.deadline_margin_ms,
-            c.max_expired_per_dispatch,
-            self._finished_ttl_ms,
-            self._result_ttl_ms,
-        ]
-
     async def enqueue_many(self, jobs: Sequence[Job]) -> list[str]:
-        """Enqueue in one round trip (each job still atomic); returns each outcome
-        ('ok', 'unknown_tier', 'duplicate' or 'queue_full') instead of raising."""
-        with unavailable_as_error():
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for job in jobs:
-                    await self._scripts["enqueue"](
-                        keys=[], args=self._enqueue_args(job), client=pipe
-                    )
-                return list(await pipe.execute())
+        """Enqueue in one round trip, in order; returns each job's outcome ('ok',
+        'unknown_tier', 'duplicate' or 'queue_full') instead of raising.
 
-    async def dispatch_many(self, worker_id: str, lease_ms: int, num_jobs: int) -> list[Job]:
-        """Up to num_jobs dispatches in one round trip, in policy order."""
+        Each job's outcome is that of enqueueing it alone. Jobs travel MAX_JOBS_PER_CALL
+        to a script call, so one call never holds Redis for long.
+        """
+        now_ms = self._clock_ms()
         with unavailable_as_error():
             async with self._redis.pipeline(transaction=False) as pipe:
-                for _ in range(num_jobs):
-                    await self._scripts["dispatch"](
-                        keys=[], args=self._dispatch_args(worker_id, lease_ms), client=pipe
-                    )
+                for i in range(0, len(jobs), MAX_JOBS_PER_CALL):
+                    args: list[object] = [self._keys.prefix, now_ms]
+                    for job in jobs[i : i + MAX_JOBS_PER_CALL]:
+                        args.extend(_enqueue_fields(job))
+                    await self._scripts["enqueue"](keys=[], args=args, client=pipe)
                 replies = await pipe.execute()
-        return [_leased_job(reply) for reply in replies if reply]
+        return [outcome for reply in replies for outcome in reply]
 
     async def dispatch(self, worker_id: str, lease_ms: int) -> Job | None:
-        c = self._config
-        leased = await self._run(
-            "dispatch",
+        leased = await self._run("dispatch", *self._dispatch_args(worker_id, lease_ms, 1))
+        return _leased_job(leased[0]) if leased else None
+
+    async def dispatch_many(self, worker_id: str, lease_ms: int, num_jobs: int) -> list[Job]:
+        """Up to num_jobs dispatches in one round trip, in policy order; each lease is the
+        one a dispatch of its own would make at the same moment. Fewer come back when the
+        queue runs dry."""
+        args = [self._keys.prefix, *self._dispatch_args(worker_id, lease_ms, MAX_JOBS_PER_CALL)]
+        with unavailable_as_error():
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for i in range(0, num_jobs, MAX_JOBS_PER_CALL):
+                    args[-1] = min(MAX_JOBS_PER_CALL, num_jobs - i)
+                    await self._scripts["dispatch"](keys=[], args=list(args), client=pipe)
+                replies = await pipe.execute()
+        return [_leased_job(leased) for reply in replies for leased in reply]
+
+    def _dispatch_args(self, worker_id: str, lease_ms: int, num_jobs: int) -> list[object]:
+        """dispatch.lua's arguments after the prefix."""
+        return [
             self._clock_ms(),
             worker_id,
             lease_ms,
-            repr(float(c.input_token_weight)),
-            repr(float(c.output_token_weight)),
-            c.share_bucket_ms,
-            c.share_buckets,
-            c.deadline_margin_ms,
-            c.max_expired_per_dispatch,
+            *self._policy_args,
             self._finished_ttl_ms,
             self._result_ttl_ms,
-        )
-        return _leased_job(leased) if leased else None
+            num_jobs,
+        ]
 
     async def charge(self, job_id: str, *, input_tokens: int = 0, output_tokens: int = 0) -> bool:
         c = self._config
@@ -419,6 +421,34 @@ class RedisBackend:
 
     async def aclose(self) -> None:
         await self._redis.aclose()
+
+
+def _tier_policy_fields(tiers: Sequence[TierConfig]) -> dict[str, str | int]:
+    """The tier table as the scripts read it (scheduler/keys.py, `tier_policy`)."""
+    fields: dict[str, str | int] = {}
+    for t in tiers:
+        fields[f"rank:{t.name}"] = t.rank
+        fields[f"min_share:{t.name}"] = repr(float(t.min_share))
+        if t.max_queued_jobs is not None:
+            fields[f"max_queued:{t.name}"] = t.max_queued_jobs
+    return fields
+
+
+def _enqueue_fields(job: Job) -> tuple[object, ...]:
+    """One job's arguments to enqueue.lua."""
+    deadline = policy.deadline_ms(job)
+    expire = policy.expire_at_ms(job)
+    return (
+        job.job_id,
+        job.to_json(),
+        job.tier,
+        job.tenant_id,
+        repr(float(job.weight)),
+        job.num_prompt_tokens,
+        job.params.max_tokens,
+        "" if deadline is None else deadline,
+        "" if expire is None else expire,
+    )
 
 
 def _leased_job(reply: list[Any]) -> Job:

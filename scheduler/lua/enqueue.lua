@@ -1,22 +1,40 @@
--- enqueue.lua: queue one admitted job at the tail of its tenant's queue.
+-- enqueue.lua: queue admitted jobs, in order, each at the tail of its tenant's queue.
+-- One call takes a batch so that enqueue_many pays the per-call cost once; each job's
+-- outcome is exactly that of enqueueing it alone.
 -- KEYS: none; every key derives from the prefix in ARGV[1] (scheduler/keys.py).
--- ARGV: 1 prefix, 2 now_ms, 3 job_id, 4 job JSON, 5 tier, 6 tenant, 7 weight,
---       8 prompt tokens, 9 max_tokens, 10 deadline ms or '', 11 expire-at ms or ''
--- Returns: 'ok', 'unknown_tier', 'duplicate' or 'queue_full'.
-local id, tier, tenant = ARGV[3], ARGV[5], ARGV[6]
-local cfg_json = redis.call('HGET', K.tiers, tier)
-if not cfg_json then return 'unknown_tier' end
-if redis.call('EXISTS', K.job .. id) == 1 then return 'duplicate' end
-local cfg = cjson.decode(cfg_json)
-if cfg.max_queued_jobs ~= cjson.null
-    and tonumber(redis.call('HGET', K.depth, tier) or '0') >= cfg.max_queued_jobs then
-  return 'queue_full'
+-- ARGV: 1 prefix, 2 now_ms, then 9 per job: job_id, job JSON, tier, tenant, weight,
+--       prompt tokens, max_tokens, deadline ms or '', expire-at ms or ''
+-- Returns: per job 'ok', 'unknown_tier', 'duplicate' or 'queue_full'.
+local policies = {}  -- tier -> {rank, max_queued} or false, read once per call
+local seq = tonumber(redis.call('GET', K.seq) or '0')
+local first_seq = seq
+local outcomes = {}
+
+local function enqueue_one(a)
+  local id, tier, tenant = ARGV[a], ARGV[a + 2], ARGV[a + 3]
+  local p = policies[tier]
+  if p == nil then
+    local h = redis.call('HMGET', K.tier_policy, 'rank:' .. tier, 'max_queued:' .. tier)
+    p = h[1] and {max_queued = tonumber(h[2])} or false
+    policies[tier] = p
+  end
+  if not p then return 'unknown_tier' end
+  if redis.call('EXISTS', K.job .. id) == 1 then return 'duplicate' end
+  if p.max_queued and tonumber(redis.call('HGET', K.depth, tier) or '0') >= p.max_queued then
+    return 'queue_full'
+  end
+  seq = seq + 1
+  redis.call('HSET', K.job .. id, 'j', ARGV[a + 1], 'tier', tier, 'tenant', tenant,
+    'w', ARGV[a + 4], 'pin', ARGV[a + 5], 'dec', ARGV[a + 6], 'seq', seq, 'dl', ARGV[a + 7],
+    'ex', ARGV[a + 8], 'chg', 0, 'att', 0, 'res', '', 'wk', '', 'lu', 0, 'st', 'queued')
+  redis.call('HSET', K.weights .. tier, tenant, ARGV[a + 4])
+  push(id, tier, tenant, seq, tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6]), ARGV[a + 7])
+  if ARGV[a + 8] ~= '' then redis.call('ZADD', K.expiries, ARGV[a + 8], id) end
+  return 'ok'
 end
-local seq = redis.call('INCR', K.seq)
-redis.call('HSET', K.job .. id, 'j', ARGV[4], 'tier', tier, 'tenant', tenant, 'w', ARGV[7],
-  'pin', ARGV[8], 'dec', ARGV[9], 'seq', seq, 'dl', ARGV[10], 'chg', 0, 'att', 0,
-  'res', '', 'wk', '', 'lu', 0)
-redis.call('HSET', K.weights .. tier, tenant, ARGV[7])
-push(id, tier, tenant, seq, tonumber(ARGV[8]), tonumber(ARGV[9]), ARGV[10])
-if ARGV[11] ~= '' then redis.call('ZADD', K.expiries, ARGV[11], id) end
-return 'ok'
+
+for a = 3, #ARGV, 9 do
+  outcomes[#outcomes + 1] = enqueue_one(a)
+end
+if seq ~= first_seq then redis.call('SET', K.seq, seq) end
+return outcomes

@@ -5,7 +5,7 @@
 -- ARGV: 1 prefix, 2 tier, 3 tenant, 4 weight, 5 the new job's prompt tokens
 -- Returns: {prefill tokens, decode tokens} as decimal strings.
 local tier, tenant, weight = ARGV[2], ARGV[3], tonumber(ARGV[4])
-local tiers = tier_table()
+local tiers = tier_policy()
 local my_rank = rank_of(tiers, tier)
 local prefill, decode = 0, 0
 local depth = redis.call('HGETALL', K.depth)
