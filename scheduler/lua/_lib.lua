@@ -132,8 +132,10 @@ local function charge(tier, tenant, weight, nin, nout, in_w, out_w, now, bucket_
   local tokens = nin + nout
   redis.call('HINCRBY', K.share .. tier, bucket, tokens)
   redis.call('HINCRBY', K.share_total, bucket, tokens)
-  for _, key in ipairs({K.share .. tier, K.share_total}) do
-    if window_cache[key] then window_cache[key] = window_cache[key] + tokens end
+  local tier_key = K.share .. tier
+  if window_cache[tier_key] then window_cache[tier_key] = window_cache[tier_key] + tokens end
+  if window_cache[K.share_total] then
+    window_cache[K.share_total] = window_cache[K.share_total] + tokens
   end
 end
 

@@ -15,20 +15,36 @@ local margin_ms = tonumber(ARGV[9])
 local current = math.floor(now / bucket_ms)
 local tiers = tier_policy()
 
+-- Later jobs of one call skip reads whose answer cannot change within the call: nothing
+-- here adds expiries or deadlines, so once every timed-out job is dropped none is left,
+-- and once the earliest deadline is not at risk no later one is. The floor is written
+-- once per tier at the end (dispatch never reads it).
+local expiries_done, deadlines_done = false, false
+local floors = {}
+
 local function dispatch_one()
   -- 1. Queue timeouts: drop and tell the client through its result stream.
-  local expired = redis.call('ZRANGEBYSCORE', K.expiries, '-inf', now, 'LIMIT', 0, ARGV[10])
-  for _, eid in ipairs(expired) do
-    local h = redis.call('HMGET', K.job .. eid, 'tier', 'tenant', 'pin', 'dec', 'dl')
-    unqueue(eid, h[1], h[2], tonumber(h[3]), tonumber(h[4]), h[5], 'ex', false)
-    emit(eid, ARGV[12], {'k', 'error', 'c', 'queue_timeout', 'm', 'queued longer than max_queue_ms'})
-    finish(eid, 'dropped', ARGV[11])
+  if not expiries_done then
+    local expired = redis.call('ZRANGEBYSCORE', K.expiries, '-inf', now, 'LIMIT', 0, ARGV[10])
+    for _, eid in ipairs(expired) do
+      local h = redis.call('HMGET', K.job .. eid, 'tier', 'tenant', 'pin', 'dec', 'dl')
+      unqueue(eid, h[1], h[2], tonumber(h[3]), tonumber(h[4]), h[5], 'ex', false)
+      emit(eid, ARGV[12], {'k', 'error', 'c', 'queue_timeout', 'm', 'queued longer than max_queue_ms'})
+      finish(eid, 'dropped', ARGV[11])
+    end
+    expiries_done = #expired < tonumber(ARGV[10])
   end
 
   -- 2. Batch work whose deadline is at risk goes first, earliest deadline first.
   local id, popped = nil, false
-  local d = redis.call('ZRANGE', K.deadlines, 0, 0, 'WITHSCORES')
-  if d[1] and tonumber(d[2]) - now <= margin_ms then id = d[1] end
+  if not deadlines_done then
+    local d = redis.call('ZRANGE', K.deadlines, 0, 0, 'WITHSCORES')
+    if d[1] and tonumber(d[2]) - now <= margin_ms then
+      id = d[1]
+    else
+      deadlines_done = true
+    end
+  end
 
   -- 3. Across tiers: a tier below its min_share first, else the best rank; within the
   --    tier the tenant with the smallest counter; within the tenant the earliest arrival.
@@ -67,7 +83,7 @@ local function dispatch_one()
   local tier, tenant, pin = h[1], h[2], tonumber(h[3])
   local is_active = unqueue(id, tier, tenant, pin, tonumber(h[4]), h[9], h[10], popped)
   local counter = redis.call('HGET', K.vtc .. tier, tenant)
-  redis.call('HSET', K.floor, tier, counter)
+  floors[tier] = counter
   if h[6] == '0' then
     charge(tier, tenant, tonumber(h[5]), pin, 0, in_w, out_w, now, bucket_ms, counter, is_active)
   end
@@ -84,4 +100,5 @@ for _ = 1, tonumber(ARGV[13]) do
   if not one then break end
   leased[#leased + 1] = one
 end
+for tier, counter in pairs(floors) do redis.call('HSET', K.floor, tier, counter) end
 return leased
