@@ -8,6 +8,7 @@ prefill chunks are converted with tensor ops.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -18,6 +19,8 @@ from engine.models import AttentionMetadata, LoadedModel, ModelArch
 from engine.request import Request
 from engine.sampling import sample
 
+_NUM_DECODE_GROUPS = 4
+_MIN_DECODES_TO_GROUP = 8
 _CPU_DEFAULT_KV_CACHE_BYTES = 512 * 2**20
 # Left free on a GPU for activations and the allocator's slack when sizing the cache.
 _CUDA_ACTIVATION_RESERVE_BYTES = 1 * 2**30
@@ -80,7 +83,8 @@ class ModelRunner:
         """Run one step; returns the sampled token of each chunk (None if it makes none)."""
         if not chunks:
             return []
-        decodes = [c for c in chunks if c.num_tokens == 1]
+        # Sorted by context length so that similar lengths share an attention call.
+        decodes = sorted((c for c in chunks if c.num_tokens == 1), key=lambda c: c.start)
         prefills = [c for c in chunks if c.num_tokens != 1]
         input_ids, positions, meta, logit_rows = self._prepare(decodes, prefills)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
@@ -136,10 +140,21 @@ class ModelRunner:
             prefill_block_tables=_block_tables(prefills, prefill_lens, bs).to(device),
             cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32).to(device),
             prefill_context_lens=torch.tensor(prefill_lens, dtype=torch.int32).to(device),
+            # GPU kernels take each row's own length; only the CPU references pad.
+            decode_groups=_decode_groups(len(decodes)) if device.type == "cpu" else (),
         )
         input_ids = torch.cat(ids_parts).to(device)
         positions = torch.cat(pos_parts).to(device)
         return input_ids, positions, meta, logit_rows
+
+
+def _decode_groups(num_decodes: int) -> tuple[tuple[int, int], ...]:
+    """Equal-count row ranges over the length-sorted decodes: with uniform lengths, four
+    groups cut the padded attention work by about a third for three extra calls."""
+    if num_decodes < _MIN_DECODES_TO_GROUP:
+        return ((0, num_decodes),)
+    bounds = [num_decodes * i // _NUM_DECODE_GROUPS for i in range(_NUM_DECODE_GROUPS + 1)]
+    return tuple(itertools.pairwise(bounds))
 
 
 def _token_at(request: Request, index: int) -> int:

@@ -25,6 +25,10 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks]
     cu_seqlens_q: torch.Tensor  # [num_prefills + 1] offsets into the prefill tokens
     prefill_context_lens: torch.Tensor  # [num_prefills], including the chunk
+    # Row ranges of the decodes (sorted by context length) attended in separate calls:
+    # the kernels pad every row to its call's longest context, so grouping similar
+    # lengths cuts the padded work of a batch of mixed lengths.
+    decode_groups: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -61,27 +65,28 @@ def paged_attention(
     """query `[T, H, D]`, key/value `[T, KVH, D]` -> `[T, H, D]`."""
     ops.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
     num_decode = meta.num_decode_tokens
-    if num_decode == query.shape[0]:
-        return ops.decode_attention(
-            query, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+    parts = [
+        ops.decode_attention(
+            query[start:end],
+            k_cache,
+            v_cache,
+            meta.decode_block_tables[start:end],
+            meta.decode_context_lens[start:end],
+            scale,
         )
-    prefill = ops.prefill_attention(
-        query[num_decode:],
-        k_cache,
-        v_cache,
-        meta.prefill_block_tables,
-        meta.cu_seqlens_q,
-        meta.prefill_context_lens,
-        scale,
-    )
-    if num_decode == 0:
-        return prefill
-    decode = ops.decode_attention(
-        query[:num_decode],
-        k_cache,
-        v_cache,
-        meta.decode_block_tables,
-        meta.decode_context_lens,
-        scale,
-    )
-    return torch.cat([decode, prefill], dim=0)
+        for start, end in meta.decode_groups or ((0, num_decode),)
+        if end > start
+    ]
+    if num_decode < query.shape[0]:
+        parts.append(
+            ops.prefill_attention(
+                query[num_decode:],
+                k_cache,
+                v_cache,
+                meta.prefill_block_tables,
+                meta.cu_seqlens_q,
+                meta.prefill_context_lens,
+                scale,
+            )
+        )
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
