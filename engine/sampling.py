@@ -82,9 +82,7 @@ def _exponential_noise(
             continue
         # Drawn on the CPU so a seed gives the same tokens on every device.
         seeded = torch.Generator(device="cpu").manual_seed(_mix(p.seed, position))
-        row_noise = torch.empty(probs.shape[-1], dtype=torch.float32).exponential_(
-            generator=seeded
-        )
+        row_noise = torch.empty(probs.shape[-1], dtype=torch.float32).exponential_(generator=seeded)
         noise[row] = row_noise.to(probs.device)
     return noise.clamp_min_(_NOISE_FLOOR)
 
