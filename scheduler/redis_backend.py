@@ -213,7 +213,7 @@ class RedisBackend:
 
     async def dispatch(self, worker_id: str, lease_ms: int) -> Job | None:
         leased = await self._run("dispatch", *self._dispatch_args(worker_id, lease_ms, 1))
-        return _leased_job(leased[0]) if leased else None
+        return _leased_job(leased, 0) if leased else None
 
     async def dispatch_many(self, worker_id: str, lease_ms: int, num_jobs: int) -> list[Job]:
         """Up to num_jobs dispatches in one round trip, in policy order; each lease is the
@@ -226,7 +226,7 @@ class RedisBackend:
                     args[-1] = min(MAX_JOBS_PER_CALL, num_jobs - i)
                     await self._scripts["dispatch"](keys=[], args=list(args), client=pipe)
                 replies = await pipe.execute()
-        return [_leased_job(leased) for reply in replies for leased in reply]
+        return [_leased_job(reply, i) for reply in replies for i in range(0, len(reply), 3)]
 
     def _dispatch_args(self, worker_id: str, lease_ms: int, num_jobs: int) -> list[object]:
         """dispatch.lua's arguments after the prefix."""
@@ -451,8 +451,9 @@ def _enqueue_fields(job: Job) -> tuple[object, ...]:
     )
 
 
-def _leased_job(reply: list[Any]) -> Job:
-    _, raw, resumed, rank = reply
+def _leased_job(reply: list[Any], at: int) -> Job:
+    """The job at `at` of dispatch.lua's flat reply."""
+    raw, rank, resumed = reply[at : at + 3]
     return replace(Job.from_json(raw), rank=int(rank), resumed_token_ids=_tokens(resumed))
 
 
