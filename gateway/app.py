@@ -27,6 +27,7 @@ from starlette.routing import Mount, Router
 from starlette.types import Receive, Scope, Send
 
 from gateway.admin import AdminDeps, admin_routes
+from gateway.admin.ui import dashboard_routes
 from gateway.admin.usage_routes import usage_routes
 from gateway.auth import KeyAuthenticator
 from gateway.batches.setup import start_batch_api, upload_limits
@@ -212,6 +213,7 @@ async def _build_router(
             sessionmaker=sessionmaker, admin_token=settings.admin_token, tiers=tiers, auth=auth
         )
         routes.append(Mount("/admin/v1", routes=admin_routes(deps) + usage_routes(deps)))
+        routes.append(Mount("/admin/ui", routes=dashboard_routes(deps, telemetry)))
     else:
         log.warning("TIERGATE_ADMIN_TOKEN is not set: the admin API is disabled")
     return Router(routes=routes)
