@@ -9,6 +9,7 @@ ones, so the TPOT-keeping prefill budget behaves as in production.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
@@ -52,7 +53,7 @@ class StepOutcome:
 
     first_tokens: list[Request]
     finished: list[Request]
-    output_tokens: list[Request]  # one entry per token produced
+    output_tokens: list[tuple[Request, int]]  # (request, tokens it produced)
     preempted: list[Request]
     num_recomputed_tokens: int
 
@@ -180,11 +181,109 @@ class SimEngine:
             if not chunk.produces_token:
                 continue
             request.output_token_ids.append(1)
-            outcome.output_tokens.append(request)
+            outcome.output_tokens.append((request, 1))
             if len(request.output_token_ids) == 1:
                 outcome.first_tokens.append(request)
             if len(request.output_token_ids) >= request.params.max_tokens:
                 self.scheduler.finish(request, FinishReason.LENGTH)
+                high_water.pop(request.request_id, None)
+                outcome.finished.append(request)
+        return outcome
+
+    # ------------------------------------------------------------- fast-forward
+    #
+    # While every running request is decoding and nothing waits, each `schedule()` would
+    # return the same plan (one decode per request) until a request finishes or the KV
+    # cache runs out; only the context lengths grow. `plan_decode_run` predicts those
+    # steps' durations without running the scheduler; `apply_decode_run(j)` then puts
+    # the engine in exactly the state j real decode steps would leave (same blocks
+    # allocated, same computed tokens, same appended tokens, same cost-model samples).
+    # The fleet cuts a run short when a job arrives that this engine would have pulled.
+
+    def plan_decode_run(self, *, min_steps: int = 2) -> list[float] | None:
+        """Cumulative end offsets (s) of the steps of a pure-decode run, or None when
+        the next step is not a plain decode of every running request."""
+        scheduler = self.scheduler
+        if scheduler.num_waiting or not scheduler.num_running:
+            return None
+        running = scheduler.running
+        num_steps = None
+        kv = 0
+        for request in running:
+            if request.num_computed_tokens != request.num_tokens - 1:
+                return None  # prefilling or recomputing
+            left = request.params.max_tokens - len(request.output_token_ids)
+            if num_steps is None or left < num_steps:
+                num_steps = left
+            kv += request.num_computed_tokens + 1
+        if num_steps is None or num_steps < min_steps:
+            return None
+        num_steps = self._steps_that_fit(running, num_steps)
+        if num_steps < min_steps:
+            return None
+        params = self.params
+        n = len(running)
+        offsets = []
+        elapsed = 0.0
+        for _ in range(num_steps):
+            elapsed += params.step_time_s(n, kv, kv)
+            offsets.append(elapsed)
+            kv += n
+        return offsets
+
+    def _steps_that_fit(self, running: Sequence[Request], num_steps: int) -> int:
+        """Largest j <= num_steps whose decode blocks all fit in the free pool (more would
+        preempt under KV pressure, which only the real scheduler may decide)."""
+        bm = self.block_manager
+        free = bm.num_free_blocks
+
+        def needed(j: int) -> int:
+            return sum(
+                max(0, bm.num_blocks_for(r.num_computed_tokens + j) - len(r.block_ids))
+                for r in running
+            )
+
+        if needed(num_steps) <= free:
+            return num_steps
+        lo, hi = 0, num_steps
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if needed(mid) <= free:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def apply_decode_run(self, offsets: Sequence[float], num_steps: int) -> StepOutcome:
+        """Apply the first `num_steps` steps of a planned decode run."""
+        scheduler = self.scheduler
+        running = list(scheduler.running)
+        outcome = StepOutcome([], [], [], [], 0)
+        model = self.cost_model
+        n = len(running)
+        previous = 0.0
+        for offset in offsets[:num_steps]:
+            if model is not None:
+                model.observe(n, n, offset - previous)
+            previous = offset
+        self.num_steps += num_steps
+        self.busy_s += offsets[num_steps - 1]
+        high_water = self._high_water
+        tokens = [1] * num_steps
+        bm = self.block_manager
+        for request in running:
+            end = request.num_computed_tokens + num_steps
+            # allocate_slots would find the blocks it holds enough; skip the call.
+            if bm.num_blocks_for(end) > len(request.block_ids) and not bm.allocate_slots(
+                request, num_steps
+            ):
+                raise RuntimeError("a planned decode run no longer fits the KV cache")
+            request.num_computed_tokens = end
+            request.output_token_ids.extend(tokens)
+            high_water[request.request_id] = request.num_computed_tokens
+            outcome.output_tokens.append((request, num_steps))
+            if len(request.output_token_ids) >= request.params.max_tokens:
+                scheduler.finish(request, FinishReason.LENGTH)
                 high_water.pop(request.request_id, None)
                 outcome.finished.append(request)
         return outcome

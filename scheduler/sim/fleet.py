@@ -9,6 +9,7 @@ is woken by an arrival.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 import time
@@ -119,6 +120,11 @@ class SimOptions:
     # Output tokens of the charges a worker batches before telling the queue (the real
     # worker charges as it publishes; batching bounds the cost of simulating that).
     charge_interval_s: float = 0.0
+    # Jump over stretches of pure decode steps instead of scheduling each one (see
+    # SimEngine.plan_decode_run). Engine behaviour is unchanged; tokens are charged to
+    # the queue at the end of a stretch, and when several engines could take a job the
+    # first to reach a step boundary does, as step by step.
+    fast_forward: bool = False
 
 
 @dataclass
@@ -128,6 +134,13 @@ class SimResult:
     collector: Collector
     trace: ServiceTrace
     engines: list[SimEngine] = field(repr=False, default_factory=list)
+
+
+@dataclass(eq=False)
+class _DecodeRun:
+    start_s: float
+    offsets: list[float]
+    num_steps: int
 
 
 @dataclass(eq=False)
@@ -187,7 +200,12 @@ def simulate(
     queued: dict[str, RequestRecord] = {}
     inflight: dict[str, _InFlight] = {}
     drain = DrainRate()
-    steps: list[tuple[float, int]] = []  # (end time, engine index)
+    # (end time, version, engine index); an entry whose version is not the engine's
+    # current one was superseded (a decode run cut short) and is skipped.
+    steps: list[tuple[float, int, int]] = []
+    versions = [0] * len(engines)
+    runs: dict[int, _DecodeRun] = {}  # engines inside a fast-forwarded decode run
+    cut: set[int] = set()  # runs already cut short to take a queued job
     idle = list(range(len(engines) - 1, -1, -1))  # a stack; engine 0 is woken first
     end_s = workload.duration_s + options.drain_s
     next_sample_s = 0.0
@@ -236,32 +254,70 @@ def simulate(
                 collector.dropped(record, QUEUE_TIMEOUT)
 
     def start(index: int, now_s: float) -> None:
-        duration_s = engines[index].start_step()
+        engine = engines[index]
+        versions[index] += 1
+        if options.fast_forward:
+            offsets = engine.plan_decode_run()
+            if offsets is not None:
+                runs[index] = _DecodeRun(now_s, offsets, len(offsets))
+                heapq.heappush(steps, (now_s + offsets[-1], versions[index], index))
+                return
+        duration_s = engine.start_step()
         if duration_s is None:
             idle.append(index)
         else:
-            heapq.heappush(steps, (now_s + duration_s, index))
+            heapq.heappush(steps, (now_s + duration_s, versions[index], index))
+
+    def cut_run(now_s: float) -> None:
+        """A job is queued and no engine is idle: the decode run that reaches a step
+        boundary first, on an engine with room, ends there so the engine pulls it."""
+        best: tuple[float, int, int] | None = None
+        for index, run in runs.items():
+            if not engines[index].can_accept():
+                continue
+            done = bisect.bisect_right(run.offsets, now_s - run.start_s, 0, run.num_steps)
+            if done >= run.num_steps:
+                continue
+            end_s = run.start_s + run.offsets[done]
+            if best is None or end_s < best[0]:
+                best = (end_s, index, done + 1)
+        if best is None:
+            return
+        end_s, index, num_steps = best
+        run = runs[index]
+        if num_steps < run.num_steps:
+            run.num_steps = num_steps
+            versions[index] += 1
+            heapq.heappush(steps, (end_s, versions[index], index))
+        cut.add(index)
 
     def end_step(index: int, now_s: float) -> None:
         engine = engines[index]
-        outcome = engine.end_step()
+        run = runs.pop(index, None)
+        cut.discard(index)
+        if run is not None:
+            outcome = engine.apply_decode_run(run.offsets, run.num_steps)
+        else:
+            outcome = engine.end_step()
         for request in outcome.first_tokens:
             inflight[request.request_id].record.first_token_s = now_s
-        for request in outcome.output_tokens:
+        num_tokens = 0
+        for request, count in outcome.output_tokens:
             item = inflight[request.request_id]
-            item.pending_output_tokens += 1
+            item.pending_output_tokens += count
+            num_tokens += count
             tenant = item.record.request.tenant_id
-            served[tenant] = served.get(tenant, 0.0) + output_weight
+            served[tenant] = served.get(tenant, 0.0) + output_weight * count
             if options.charge_interval_s <= 0:
-                queue.charge(item.job, 1, now_s)
+                queue.charge(item.job, item.pending_output_tokens, now_s)
                 item.pending_output_tokens = 0
         for request in outcome.preempted:
             inflight[request.request_id].record.num_preemptions += 1
         collector.num_preemptions += len(outcome.preempted)
         collector.num_recomputed_tokens += outcome.num_recomputed_tokens
-        collector.num_output_tokens += len(outcome.output_tokens)
+        collector.num_output_tokens += num_tokens
         if now_s <= workload.duration_s:
-            window_tokens[0] += len(outcome.output_tokens)
+            window_tokens[0] += num_tokens
         for request in outcome.finished:
             item = inflight.pop(request.request_id)
             if item.pending_output_tokens:
@@ -296,8 +352,9 @@ def simulate(
             flush_charges(now_s)
             next_flush_s += options.charge_interval_s
         elif now_s == t_step:
-            _, index = heapq.heappop(steps)
-            end_step(index, now_s)
+            _, version, index = heapq.heappop(steps)
+            if version == versions[index]:
+                end_step(index, now_s)
         else:
             req = upcoming
             if req is None:  # unreachable: t_arrival was the finite minimum
@@ -323,6 +380,8 @@ def simulate(
                 index = idle.pop()
                 pull(engines[index], now_s)
                 start(index, now_s)
+            if runs and len(queue) > len(cut):
+                cut_run(now_s)
 
     duration_s = workload.duration_s
     window = options.fairness_window_s or (0.2 * duration_s, duration_s)

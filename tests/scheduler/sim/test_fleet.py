@@ -50,6 +50,7 @@ def test_single_request_timing_matches_the_cost_model() -> None:
     assert result.stats.num_steps == 50
 
 
+@pytest.mark.slow
 def test_overload_conserves_requests_and_tiered_protects_the_priority_tier() -> None:
     # Sixteen sequence slots make the engine saturate at a dozen requests per second.
     params = replace(H200, max_num_seqs=16, max_num_batched_tokens=2048)
@@ -74,3 +75,46 @@ def test_unknown_policy_and_empty_fleet_raise() -> None:
         simulate(three_tier_mix(1, 1), "lottery", FleetSpec(H200, 1))
     with pytest.raises(SimulationError, match="at least one engine"):
         FleetSpec(H200, 0)
+
+
+@pytest.mark.parametrize(
+    ("policy", "rate", "num_kv_blocks"),
+    [("tiered", 40, 3000), ("priority", 30, H200.num_kv_blocks)],
+)
+def test_fast_forward_changes_nothing_on_one_engine(
+    policy: str, rate: float, num_kv_blocks: int
+) -> None:
+    # 3000 blocks puts the KV cache under pressure: runs must stop short of preemption.
+    params = replace(H200, num_kv_blocks=num_kv_blocks)
+    spec = three_tier_mix(rate, 10, seed=2)
+    runs = [
+        simulate(spec, policy, FleetSpec(params, 1), SimOptions(keep_records=True, fast_forward=ff))
+        for ff in (False, True)
+    ]
+    exact, fast = ({r.request.request_id: r for r in run.collector.records} for run in runs)
+    assert exact.keys() == fast.keys()
+    for request_id, record in exact.items():
+        other = fast[request_id]
+        assert other.rejected_code == record.rejected_code
+        assert other.first_token_s == pytest.approx(record.first_token_s, abs=1e-9)
+        assert other.finish_s == pytest.approx(record.finish_s, abs=1e-9)
+        assert other.num_preemptions == record.num_preemptions
+    assert runs[0].stats.num_steps == runs[1].stats.num_steps
+    assert runs[0].stats.num_preemptions == runs[1].stats.num_preemptions
+    if num_kv_blocks == 3000:
+        assert runs[0].stats.num_preemptions > 0
+
+
+@pytest.mark.slow
+def test_fast_forward_on_a_fleet_keeps_the_numbers() -> None:
+    spec = three_tier_mix(60, 10, seed=4)
+    stats = [
+        simulate(spec, "tiered", FleetSpec(H200, 4), SimOptions(fast_forward=ff)).stats
+        for ff in (False, True)
+    ]
+    for tier in ("priority", "interactive", "batch"):
+        exact, fast = stats[0].tiers[tier], stats[1].tiers[tier]
+        assert fast.num_finished == exact.num_finished
+        assert fast.ttft_p50_ms == pytest.approx(exact.ttft_p50_ms, rel=0.2)
+        assert fast.tpot_p50_ms == pytest.approx(exact.tpot_p50_ms, rel=0.05)
+    assert stats[1].output_tokens_per_s == pytest.approx(stats[0].output_tokens_per_s, rel=0.01)
