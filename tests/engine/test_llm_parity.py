@@ -18,6 +18,9 @@ from engine import LLM, SamplingParams
 from engine.models import write_random_checkpoint
 
 NUM_NEW_TOKENS = 10
+# Each test loads two models and generates with both: seconds, not milliseconds.
+pytestmark = pytest.mark.slow
+
 EOS_ID = 3  # the built-in tokenizer's <|im_end|>, written into every test checkpoint
 GREEDY = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0)
 
