@@ -30,7 +30,7 @@ from scheduler.backend import (
     WorkAhead,
 )
 from scheduler.job import Job
-from scheduler.policy import PolicyConfig, TierConfig, TierLoad
+from scheduler.policy import PolicyConfig, TierConfig
 
 
 def wall_clock_ms() -> int:
@@ -65,7 +65,42 @@ class _TenantQueue:
 
 
 @dataclass(eq=False)
+class _Window:
+    """Tokens served per fixed bucket, with the sum over the sliding window kept for the
+    current bucket: dispatch asks for it every time, and recounting the buckets (and
+    pruning those that left the window) is needed only when the bucket moves on."""
+
+    num_buckets: int
+    buckets: dict[int, int] = field(default_factory=dict)  # bucket -> tokens served
+    sum_bucket: int | None = None  # the current bucket `sum_tokens` was counted for
+    sum_tokens: int = 0
+
+    def add(self, bucket: int, tokens: int) -> None:
+        if bucket not in self.buckets and len(self.buckets) >= self.num_buckets:
+            # A new bucket: forget those that left the window (whether or not anyone asks
+            # for the sum), so the table stays num_buckets long.
+            oldest = bucket - self.num_buckets
+            for old in [b for b in self.buckets if b <= oldest]:
+                del self.buckets[old]
+            self.sum_bucket = None
+        self.buckets[bucket] = self.buckets.get(bucket, 0) + tokens
+        if self.sum_bucket is not None and bucket > self.sum_bucket - self.num_buckets:
+            self.sum_tokens += tokens
+
+    def sum(self, current_bucket: int) -> int:
+        """policy.window_sum for `current_bucket`."""
+        if self.sum_bucket != current_bucket:
+            oldest = current_bucket - self.num_buckets
+            for bucket in [b for b in self.buckets if b <= oldest]:
+                del self.buckets[bucket]
+            self.sum_bucket = current_bucket
+            self.sum_tokens = sum(self.buckets.values())
+        return self.sum_tokens
+
+
+@dataclass(eq=False)
 class _Tier:
+    share: _Window  # tokens served to the tier
     queues: dict[str, _TenantQueue] = field(default_factory=dict)
     active: dict[str, float] = field(default_factory=dict)  # backlogged tenant -> counter
     active_heap: list[tuple[float, str]] = field(default_factory=list)
@@ -73,7 +108,6 @@ class _Tier:
     weights: dict[str, float] = field(default_factory=dict)
     floor: float = 0.0
     num_jobs: int = 0
-    share: dict[int, int] = field(default_factory=dict)  # bucket -> tokens served
 
     def min_active(self) -> tuple[float, str] | None:
         heap = self.active_heap
@@ -120,7 +154,11 @@ class MemoryBackend:
         self._deadlines: list[tuple[int, str]] = []
         self._leases: list[tuple[int, str]] = []
         self._purges: list[tuple[int, str]] = []
-        self._total_share: dict[int, int] = {}
+        self._bucket_ms = self._config.share_bucket_ms
+        self._total_share = _Window(self._config.share_buckets)
+        # Every known tier best first (rank, name), with its min_share: dispatch walks it
+        # instead of sorting. Rebuilt when the tier table changes or a tier appears.
+        self._order: list[tuple[float, _Tier]] = []
         self._workers: dict[str, tuple[int, float, float]] = {}
         self._configure(tiers)
 
@@ -129,6 +167,16 @@ class MemoryBackend:
     def _configure(self, tiers: Sequence[TierConfig]) -> None:
         policy.validate_tiers(tiers)
         self._tier_configs = {t.name: t for t in tiers}
+        self._reorder()
+
+    def _reorder(self) -> None:
+        keyed = []
+        for name, tier in self._tiers.items():
+            config = self._tier_configs.get(name)
+            min_share = 0.0 if config is None else config.min_share
+            keyed.append(((self._rank(name), name), min_share, tier))
+        keyed.sort(key=lambda k: k[0])
+        self._order = [(min_share, tier) for _, min_share, tier in keyed]
 
     async def configure_tiers(self, tiers: Sequence[TierConfig]) -> None:
         self._configure(tiers)
@@ -143,7 +191,8 @@ class MemoryBackend:
     def _tier(self, name: str) -> _Tier:
         tier = self._tiers.get(name)
         if tier is None:
-            tier = self._tiers[name] = _Tier()
+            tier = self._tiers[name] = _Tier(_Window(self._config.share_buckets))
+            self._reorder()
         return tier
 
     # -- queue -------------------------------------------------------------------------
@@ -159,8 +208,11 @@ class MemoryBackend:
         if config.max_queued_jobs is not None and tier.num_jobs >= config.max_queued_jobs:
             raise QueueFullError(job.tier, config.max_queued_jobs)
         self._seq += 1
+        # Stored as dispatch returns it (the tier's rank), so that dispatch copies the job
+        # only when the rank changed or the job resumes.
+        rank = self._rank(job.tier)
         entry = _Entry(
-            job,
+            job if job.rank == rank else replace(job, rank=rank),
             self._seq,
             expire_at_ms=policy.expire_at_ms(job),
             deadline_ms=policy.deadline_ms(job),
@@ -225,7 +277,10 @@ class MemoryBackend:
         entry.lease_until_ms = now_ms + lease_ms
         entry.num_leases += 1
         heapq.heappush(self._leases, (entry.lease_until_ms, job_id))
-        return replace(job, rank=self._rank(job.tier), resumed_token_ids=entry.resumed_token_ids)
+        rank = self._rank(job.tier)
+        if job.rank != rank or job.resumed_token_ids != entry.resumed_token_ids:
+            job = entry.job = replace(job, rank=rank, resumed_token_ids=entry.resumed_token_ids)
+        return job
 
     def _drop_expired(self, now_ms: int) -> None:
         num_dropped = 0
@@ -264,35 +319,28 @@ class MemoryBackend:
         return None
 
     def _pick(self, now_ms: int) -> str | None:
-        loads = []
-        for name, tier in self._tiers.items():
-            self._prune_share(tier.share, now_ms)
-            if tier.num_jobs == 0:
+        # policy.choose_tier over the backlogged tiers, without building them a list: the
+        # first backlogged tier in (rank, name) order, unless a tier is below its
+        # min_share, the first such in that order. Window sums are read only when needed.
+        current = now_ms // self._bucket_ms
+        best = None
+        total = None
+        for min_share, tier in self._order:
+            if not tier.num_jobs:
                 continue
-            config = self._tier_configs.get(name)
-            loads.append(
-                TierLoad(
-                    name,
-                    self._rank(name),
-                    0.0 if config is None else config.min_share,
-                    policy.window_sum(tier.share, now_ms, self._config),
-                )
-            )
-        self._prune_share(self._total_share, now_ms)
-        total = policy.window_sum(self._total_share, now_ms, self._config)
-        name = policy.choose_tier(loads, total)
-        if name is None:
+            if best is None:
+                best = tier
+            if min_share > 0:
+                if total is None:
+                    total = self._total_share.sum(current)
+                if total > 0 and tier.share.sum(current) < min_share * total:
+                    best = tier
+                    break
+        if best is None:
             return None
-        tier = self._tiers[name]
-        low = tier.min_active()
+        low = best.min_active()
         assert low is not None  # a tier with queued jobs has a backlogged tenant
-        return tier.queues[low[1]].head()
-
-    def _prune_share(self, buckets: dict[int, int], now_ms: int) -> None:
-        for bucket in [
-            b for b in buckets if not policy.is_bucket_in_window(b, now_ms, self._config)
-        ]:
-            del buckets[bucket]
+        return best.queues[low[1]].head()
 
     def _charge(self, entry: _Entry, input_tokens: int, output_tokens: int, now_ms: int) -> None:
         job = entry.job
@@ -302,10 +350,10 @@ class MemoryBackend:
         tier.counters[job.tenant_id] = counter
         if job.tenant_id in tier.active:
             tier.set_active(job.tenant_id, counter)
-        bucket = policy.share_bucket(now_ms, self._config)
+        bucket = now_ms // self._bucket_ms  # policy.share_bucket
         tokens = input_tokens + output_tokens
-        tier.share[bucket] = tier.share.get(bucket, 0) + tokens
-        self._total_share[bucket] = self._total_share.get(bucket, 0) + tokens
+        tier.share.add(bucket, tokens)
+        self._total_share.add(bucket, tokens)
 
     async def charge(self, job_id: str, *, input_tokens: int = 0, output_tokens: int = 0) -> bool:
         entry = self._entries.get(job_id)
