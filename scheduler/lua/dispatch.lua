@@ -16,6 +16,13 @@ local margin_ms = tonumber(ARGV[9])
 local current = math.floor(now / bucket_ms)
 local tiers = tier_policy()
 
+-- Once the window has moved past a bucket, delete it from every share hash, whether or
+-- not a min_share check reads them (one HLEN per call while nothing is stale).
+if redis.call('HLEN', K.share_total) > num_buckets then
+  window_sum(K.share_total, current, num_buckets)
+  for name in pairs(tiers) do window_sum(K.share .. name, current, num_buckets) end
+end
+
 -- Later jobs of one call skip reads whose answer cannot change within the call: nothing
 -- here adds expiries or deadlines, so once every timed-out job is dropped none is left,
 -- and once the earliest deadline is not at risk no later one is. The floor is written
