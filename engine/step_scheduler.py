@@ -368,8 +368,6 @@ class StepScheduler:
 
     def _admit(self, step: _Step) -> None:
         for request in list(self._waiting):
-            if step.prefill_budget <= 0:
-                return
             # Victims of this step wait for the next one, and so does everyone behind them.
             if request in step.preempted or not self._try_admit(request, step):
                 return
@@ -379,7 +377,12 @@ class StepScheduler:
         config = self.config
         hits = bm.find_cached_blocks(request)
         num_remaining = request.num_tokens - len(hits) * bm.block_size
-        budget = step.prefill_budget
+        # Prefill chunks of worse ranks scheduled earlier in this step give way if needed.
+        budget = step.prefill_budget + sum(
+            c.num_tokens
+            for c in step.chunks.values()
+            if not c.is_decode and c.request.priority.rank > request.priority.rank
+        )
         if config.enable_chunked_prefill:
             num_tokens = min(num_remaining, config.max_prefill_chunk_tokens, budget)
         elif num_remaining <= budget:
@@ -396,6 +399,10 @@ class StepScheduler:
                 return False
             for victim in victims:
                 self._preempt(victim, step)
+        self._defer_worse_prefills(request, num_tokens, step)
+        num_tokens = min(num_tokens, step.prefill_budget)
+        if num_tokens <= 0 or (not config.enable_chunked_prefill and num_tokens < num_remaining):
+            return False
         if not bm.allocate_slots(request, num_tokens, hits, reserve_blocks=self._reserve(())):
             return False
         lost = self._lost_tokens.pop(request.request_id, 0)
@@ -412,6 +419,28 @@ class StepScheduler:
         self._add_chunk(step, request, num_tokens)
         step.prefill_budget -= num_tokens
         return True
+
+    def _defer_worse_prefills(self, request: Request, num_tokens: int, step: _Step) -> None:
+        """Take prefill budget for `request` back from this step's prefill chunks of worse
+        ranks, latest first. Deferring loses no KV: those requests continue next step."""
+        rank = request.priority.rank
+        for chunk in reversed(list(step.chunks.values())):
+            if step.prefill_budget >= num_tokens:
+                return
+            other = chunk.request
+            if chunk.is_decode or other.priority.rank <= rank:
+                continue
+            num_deferred = min(chunk.num_tokens, num_tokens - step.prefill_budget)
+            if num_deferred == chunk.num_tokens:
+                del step.chunks[other.request_id]
+            else:
+                step.chunks[other.request_id] = replace(
+                    chunk, num_tokens=chunk.num_tokens - num_deferred
+                )
+            # Blocks already allocated for the deferred tokens stay with the request.
+            other.num_computed_tokens -= num_deferred
+            step.num_tokens -= num_deferred
+            step.prefill_budget += num_deferred
 
     def _reserve(self, released: Sequence[Request]) -> int:
         # An idle engine ignores the watermark, or a request needing every block would
@@ -466,6 +495,8 @@ class StepScheduler:
             # Scheduled earlier in this step: undo it, its KV was never written.
             request.num_computed_tokens = chunk.start
             step.num_tokens -= chunk.num_tokens
+            if not chunk.is_decode:
+                step.prefill_budget += chunk.num_tokens
         bm = self.block_manager
         bm.cache_full_blocks(request)
         bm.free(request)

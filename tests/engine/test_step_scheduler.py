@@ -53,8 +53,18 @@ class SimRunner:
         self.finished: list[Request] = []
 
     def step(self) -> StepPlan:
+        decoding = {
+            r.request_id
+            for r in self.scheduler.running
+            if not r.is_prefilling and r.num_computed_tokens < r.num_tokens
+        }
         plan = self.scheduler.schedule()
         check_plan(self.scheduler, plan)
+        # Decodes of running requests come first, best rank first.
+        decodes = [c for c in plan.chunks if c.request.request_id in decoding]
+        assert plan.chunks[: len(decodes)] == decodes
+        ranks = [c.request.priority.rank for c in decodes]
+        assert ranks == sorted(ranks)
         check_priority(self.scheduler, plan)
         size = self.bm.block_size
         for chunk in plan.chunks:
@@ -292,6 +302,32 @@ def test_running_requests_share_their_prefix_with_newcomers() -> None:
     assert second.block_ids[:3] == first.block_ids[:3]
     assert all(scheduler.block_manager.ref_count(b) == 2 for b in first.block_ids[:3])
     assert plan.chunks[-1].start == 12
+    runner.drain()
+
+
+def test_worse_rank_prefill_gives_its_budget_to_a_better_newcomer() -> None:
+    scheduler = new_scheduler(
+        num_blocks=64, max_num_batched_tokens=16, max_prefill_chunk_tokens=16, max_model_len=128
+    )
+    runner = SimRunner(scheduler)
+    batch = make_request("batch", list(range(100)), max_tokens=2, rank=2)
+    scheduler.add(batch)
+    assert runner.step().chunks[0].num_tokens == 16
+    vip = make_request("vip", [7] * 10, max_tokens=2, rank=0)
+    scheduler.add(vip)
+    plan = runner.step()
+    # The batch prefill continues with what the newcomer leaves; no KV is lost.
+    assert [(c.request.request_id, c.start, c.num_tokens) for c in plan.chunks] == [
+        ("batch", 16, 6),
+        ("vip", 0, 10),
+    ]
+    assert plan.preempted == []
+    assert batch.num_preemptions == 0
+    plan = runner.step()
+    assert [(c.request.request_id, c.start, c.num_tokens) for c in plan.chunks] == [
+        ("vip", 10, 1),
+        ("batch", 22, 15),
+    ]
     runner.drain()
 
 
@@ -613,8 +649,6 @@ def check_priority(scheduler: StepScheduler, plan: StepPlan) -> None:
     worse rank whose preemption would have made room for its first chunk."""
     if plan.preempted or not scheduler.waiting:
         return
-    if plan.num_batched_tokens >= scheduler.config.max_num_batched_tokens:
-        return
     head = scheduler.waiting[0]
     bm = scheduler.block_manager
     worse = [
@@ -631,7 +665,18 @@ def check_priority(scheduler: StepScheduler, plan: StepPlan) -> None:
     reserve = scheduler.config.watermark_blocks if remaining else 0
     config = scheduler.config
     num_remaining = head.num_tokens - len(hits) * bm.block_size
-    budget = config.max_num_batched_tokens - plan.num_batched_tokens
+    # Prefill chunks of worse ranks would have given way to the head.
+    budget = (
+        config.max_num_batched_tokens
+        - plan.num_batched_tokens
+        + sum(
+            c.num_tokens
+            for c in plan.chunks
+            if not c.is_decode and c.request.priority.rank > head.priority.rank
+        )
+    )
+    if budget <= 0:
+        return
     if not config.enable_chunked_prefill:
         if num_remaining > budget:
             return
