@@ -70,6 +70,8 @@ class LLM:
             self.engine.add_request(request_id, tokens, p)
         final: dict[str, RequestOutput] = {}
         while len(final) < len(request_ids):
+            if not self.engine.has_unfinished():
+                raise RuntimeError("the engine dropped requests without finishing them")
             for output in self.engine.step():
                 if output.finished:
                     final[output.request_id] = output
