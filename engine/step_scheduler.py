@@ -480,11 +480,8 @@ class StepScheduler:
     def _preempt_for_kv(self, request: Request, step: _Step) -> Request:
         """Free blocks for `request` by preempting the worst-ranked running request that
         ranks no better than it (possibly itself); returns the victim."""
-        key = self._running_key(request)
-        victim = max(
-            (r for r in self._running if self._running_key(r) >= key),
-            key=self._running_key,
-        )
+        # `request` is running too, so the worst is never better than it.
+        victim = max(self._running, key=self._running_key)
         step.under_kv_pressure = True
         self._preempt(victim, step)
         return victim

@@ -331,6 +331,19 @@ def test_worse_rank_prefill_gives_its_budget_to_a_better_newcomer() -> None:
     runner.drain()
 
 
+def test_same_rank_newcomer_does_not_take_a_running_prefills_budget() -> None:
+    scheduler = new_scheduler(
+        num_blocks=64, max_num_batched_tokens=16, max_prefill_chunk_tokens=16, max_model_len=128
+    )
+    runner = SimRunner(scheduler)
+    first = make_request("first", list(range(100)), max_tokens=2, rank=1)
+    scheduler.add(first)
+    runner.step()
+    scheduler.add(make_request("second", [7] * 10, max_tokens=2, rank=1))
+    plan = runner.step()
+    assert [(c.request.request_id, c.num_tokens) for c in plan.chunks] == [("first", 16)]
+
+
 def test_schedule_copes_with_engine_not_appending() -> None:
     # A decode whose sampled token never arrived has nothing to run; it is skipped.
     scheduler = new_scheduler()
