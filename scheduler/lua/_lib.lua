@@ -70,15 +70,27 @@ local function activate(tier, tenant)
   redis.call('ZADD', active, fmt(own), tenant)
 end
 
+-- A call that queues many jobs may set this to a table: push then counts the depth it
+-- adds there (tier -> jobs) and the caller writes it at its end.
+local depth_pending = nil
+
 -- The job hash's 'st' is set by the caller (it writes the hash anyway).
 local function push(id, tier, tenant, seq, pin, dec, dl)
   redis.call('ZADD', K.tq .. tier .. ':' .. tenant, seq, id)
-  redis.call('HINCRBY', K.depth, tier, 1)
+  if depth_pending then
+    depth_pending[tier] = (depth_pending[tier] or 0) + 1
+  else
+    redis.call('HINCRBY', K.depth, tier, 1)
+  end
   redis.call('HINCRBY', K.qprefill .. tier, tenant, pin)
   redis.call('HINCRBY', K.qdecode .. tier, tenant, dec)
   if dl ~= '' then redis.call('ZADD', K.deadlines, dl, id) end
   activate(tier, tenant)
 end
+
+-- Queued jobs per tier as a call that dispatches many keeps it (nil elsewhere): only
+-- unqueue changes the depth during a dispatch call, and it keeps this table in step.
+local depth_cache = nil
 
 -- Takes a queued job out of every queue structure. `dl` and `ex` are the job's deadline
 -- and expiry fields ('' = not in that set, so no call is spent on it); `popped` says the
@@ -88,6 +100,10 @@ local function unqueue(id, tier, tenant, pin, dec, dl, ex, popped)
   local q = K.tq .. tier .. ':' .. tenant
   if not popped then redis.call('ZREM', q, id) end
   hincr_or_del(K.depth, tier, -1)
+  if depth_cache then
+    depth_cache[tier] = depth_cache[tier] - 1
+    if depth_cache[tier] == 0 then depth_cache[tier] = nil end
+  end
   hincr_or_del(K.qprefill .. tier, tenant, -pin)
   hincr_or_del(K.qdecode .. tier, tenant, -dec)
   if ex ~= '' then redis.call('ZREM', K.expiries, id) end
@@ -100,15 +116,18 @@ local function unqueue(id, tier, tenant, pin, dec, dl, ex, popped)
 end
 
 -- Window sums already computed in this call, by key. `now` is fixed for one call and a
--- charge lands in the current bucket, so a charge keeps a cached sum exact.
+-- charge lands in the current bucket, so a charge keeps a cached sum exact. A call that
+-- charges many jobs may set `share_pending` to a table: charges then add their tokens
+-- there (key -> tokens in the current bucket) and the caller writes them at its end.
 local window_cache = {}
+local share_pending = nil
 
 -- Tokens served inside the sliding window; buckets that left it are deleted.
 local function window_sum(key, current, num_buckets)
   local cached = window_cache[key]
   if cached then return cached end
   local flat = redis.call('HGETALL', key)
-  local sum = 0
+  local sum = share_pending and share_pending[key] or 0
   for i = 1, #flat, 2 do
     if tonumber(flat[i]) > current - num_buckets then
       sum = sum + tonumber(flat[i + 1])
@@ -128,11 +147,16 @@ local function charge(tier, tenant, weight, nin, nout, in_w, out_w, now, bucket_
   redis.call('HSET', K.vtc .. tier, tenant, new)
   if is_active == nil then is_active = redis.call('ZSCORE', K.active .. tier, tenant) end
   if is_active then redis.call('ZADD', K.active .. tier, new, tenant) end
-  local bucket = math.floor(now / bucket_ms)
   local tokens = nin + nout
-  redis.call('HINCRBY', K.share .. tier, bucket, tokens)
-  redis.call('HINCRBY', K.share_total, bucket, tokens)
   local tier_key = K.share .. tier
+  if share_pending then
+    share_pending[tier_key] = (share_pending[tier_key] or 0) + tokens
+    share_pending[K.share_total] = (share_pending[K.share_total] or 0) + tokens
+  else
+    local bucket = math.floor(now / bucket_ms)
+    redis.call('HINCRBY', tier_key, bucket, tokens)
+    redis.call('HINCRBY', K.share_total, bucket, tokens)
+  end
   if window_cache[tier_key] then window_cache[tier_key] = window_cache[tier_key] + tokens end
   if window_cache[K.share_total] then
     window_cache[K.share_total] = window_cache[K.share_total] + tokens

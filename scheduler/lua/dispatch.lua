@@ -29,6 +29,11 @@ end
 -- once per tier at the end (dispatch never reads it).
 local expiries_done, deadlines_done = false, false
 local floors = {}
+-- Kept in this call instead of read and written per job (see _lib.lua).
+share_pending = {}
+depth_cache = {}
+local flat_depth = redis.call('HGETALL', K.depth)
+for i = 1, #flat_depth, 2 do depth_cache[flat_depth[i]] = tonumber(flat_depth[i + 1]) end
 
 local function dispatch_one()
   -- 1. Queue timeouts: drop and tell the client through its result stream.
@@ -56,13 +61,12 @@ local function dispatch_one()
 
   -- 3. Across tiers: a tier below its min_share first, else the best rank; within the
   --    tier the tenant with the smallest counter; within the tenant the earliest arrival.
+  local counter = nil  -- the tenant's counter when the pick already read it
   if not id then
-    local depth = redis.call('HGETALL', K.depth)
-    if #depth == 0 then return nil end
+    if next(depth_cache) == nil then return nil end
     local any_name, any_rank, starved_name, starved_rank = nil, nil, nil, nil
     local total = nil  -- read only when a backlogged tier has a min_share
-    for i = 1, #depth, 2 do
-      local name = depth[i]
+    for name in pairs(depth_cache) do
       local rank, min_share = UNCONFIGURED_TIER_RANK, 0
       local c = tiers[name]
       if c then rank, min_share = c.rank, c.min_share end
@@ -79,8 +83,10 @@ local function dispatch_one()
       end
     end
     local tier = starved_name or any_name
-    local tenant = redis.call('ZRANGE', K.active .. tier, 0, 0)[1]
-    id = redis.call('ZPOPMIN', K.tq .. tier .. ':' .. tenant)[1]
+    -- A backlogged tenant's score is its counter (activate and charge write both).
+    local low = redis.call('ZRANGE', K.active .. tier, 0, 0, 'WITHSCORES')
+    counter = low[2]
+    id = redis.call('ZPOPMIN', K.tq .. tier .. ':' .. low[1])[1]
     popped = true
   end
 
@@ -90,7 +96,7 @@ local function dispatch_one()
     'dl', 'ex', 'att')
   local tier, tenant, pin = h[1], h[2], tonumber(h[3])
   local is_active = unqueue(id, tier, tenant, pin, tonumber(h[4]), h[9], h[10], popped)
-  local counter = redis.call('HGET', K.vtc .. tier, tenant)
+  if not counter then counter = redis.call('HGET', K.vtc .. tier, tenant) end
   floors[tier] = counter
   if h[6] == '0' then
     charge(tier, tenant, tonumber(h[5]), pin, 0, in_w, out_w, now, bucket_ms, counter, is_active)
@@ -111,4 +117,5 @@ for _ = 1, tonumber(ARGV[13]) do
   leased[#leased + 1] = one[3]
 end
 for tier, counter in pairs(floors) do redis.call('HSET', K.floor, tier, counter) end
+for key, tokens in pairs(share_pending) do redis.call('HINCRBY', key, current, tokens) end
 return leased

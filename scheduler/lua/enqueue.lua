@@ -5,10 +5,11 @@
 -- ARGV: 1 prefix, 2 now_ms, then 9 per job: job_id, job JSON, tier, tenant, weight,
 --       prompt tokens, max_tokens, deadline ms or '', expire-at ms or ''
 -- Returns: per job 'ok', 'unknown_tier', 'duplicate' or 'queue_full'.
-local policies = {}  -- tier -> {rank, max_queued} or false, read once per call
-local seq = tonumber(redis.call('GET', K.seq) or '0')
-local first_seq = seq
+local policies = {}  -- tier -> {max_queued} or false, read once per call
+-- Arrival numbers: the first from INCR, the rest counted here and added at the end.
+local seq, first_seq = nil, nil
 local outcomes = {}
+depth_pending = {}
 
 local function enqueue_one(a)
   local id, tier, tenant = ARGV[a], ARGV[a + 2], ARGV[a + 3]
@@ -19,12 +20,23 @@ local function enqueue_one(a)
     policies[tier] = p
   end
   if not p then return 'unknown_tier' end
-  if redis.call('EXISTS', K.job .. id) == 1 then return 'duplicate' end
-  if p.max_queued and tonumber(redis.call('HGET', K.depth, tier) or '0') >= p.max_queued then
-    return 'queue_full'
+  if p.max_queued then
+    if redis.call('EXISTS', K.job .. id) == 1 then return 'duplicate' end
+    local queued = tonumber(redis.call('HGET', K.depth, tier) or '0')
+    if queued + (depth_pending[tier] or 0) >= p.max_queued then return 'queue_full' end
+    redis.call('HSET', K.job .. id, 'j', ARGV[a + 1])
+  elseif redis.call('HSETNX', K.job .. id, 'j', ARGV[a + 1]) == 0 then
+    -- Without a cap nothing can refuse the job after this check, so the existence test
+    -- and the first write are one call. Every job hash holds 'j' until it expires.
+    return 'duplicate'
   end
-  seq = seq + 1
-  redis.call('HSET', K.job .. id, 'j', ARGV[a + 1], 'tier', tier, 'tenant', tenant,
+  if seq then
+    seq = seq + 1
+  else
+    seq = redis.call('INCR', K.seq)
+    first_seq = seq
+  end
+  redis.call('HSET', K.job .. id, 'tier', tier, 'tenant', tenant,
     'w', ARGV[a + 4], 'pin', ARGV[a + 5], 'dec', ARGV[a + 6], 'seq', seq, 'dl', ARGV[a + 7],
     'ex', ARGV[a + 8], 'chg', 0, 'att', 0, 'res', '', 'wk', '', 'lu', 0, 'st', 'queued')
   redis.call('HSET', K.weights .. tier, tenant, ARGV[a + 4])
@@ -36,5 +48,6 @@ end
 for a = 3, #ARGV, 9 do
   outcomes[#outcomes + 1] = enqueue_one(a)
 end
-if seq ~= first_seq then redis.call('SET', K.seq, seq) end
+if seq and seq > first_seq then redis.call('INCRBY', K.seq, seq - first_seq) end
+for tier, n in pairs(depth_pending) do redis.call('HINCRBY', K.depth, tier, n) end
 return outcomes
