@@ -87,7 +87,7 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
         "report", help="all policies over a load sweep, the suites and the targets"
     )
     common(rep)
-    rep.add_argument("--loads", type=_floats, default=(0.5, 0.7, 0.9, 1.0, 1.1, 1.25, 1.5))
+    rep.add_argument("--loads", type=_floats, default=(0.5, 0.7, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0))
     rep.add_argument("--policies", type=_names(POLICIES), default=POLICIES)
     rep.add_argument("--suites", type=_names(SUITES), default=SUITES)
     rep.add_argument("--suite-duration", type=float, default=40.0)
@@ -102,12 +102,16 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     pre.add_argument("name", nargs="?", choices=PRESETS)
 
     cal = sub.add_parser("calibrate", help="fit overhead and efficiencies to measured steps")
-    cal.add_argument(
-        "--samples",
-        type=Path,
-        required=True,
-        help="JSON lines: num_batched_tokens, num_kv_tokens, step_s",
+    source = cal.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--samples", type=Path, help="JSON lines: num_batched_tokens, num_kv_tokens, step_s"
     )
+    source.add_argument(
+        "--measure", action="store_true", help="time the real engine's steps on this machine"
+    )
+    cal.add_argument("--model", default="tiny-random", help="with --measure: the model to run")
+    cal.add_argument("--device", default="cpu", help="with --measure: cpu or cuda")
+    cal.add_argument("--save-samples", type=Path, help="with --measure: also write the samples")
     cal.add_argument(
         "--base", default="cpu-tiny", help="preset or file giving the hardware numbers"
     )
@@ -144,7 +148,14 @@ def _presets(args: argparse.Namespace) -> int:
 
 def _calibrate(args: argparse.Namespace) -> int:
     base = load_params(args.base)
-    samples = read_samples(args.samples.read_text(encoding="utf-8").splitlines())
+    if args.measure:
+        from scheduler.sim.calibrate import measure_engine_steps, write_samples
+
+        samples = measure_engine_steps(args.model, device=args.device)
+        if args.save_samples:
+            write_samples(samples, args.save_samples)
+    else:
+        samples = read_samples(args.samples.read_text(encoding="utf-8").splitlines())
     result = fit_roofline(base, samples)
     save_params(result.params, args.out)
     p = result.params

@@ -27,7 +27,7 @@ class TargetConfig:
     num_engines: int = 1
     duration_s: float = 60.0
     drain_s: float = 120.0
-    load_factors: tuple[float, ...] = (0.5, 0.7, 0.9, 1.0, 1.1, 1.25, 1.5)
+    load_factors: tuple[float, ...] = (0.5, 0.7, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0)
     seed: int = 0
     suite_duration_s: float = 40.0
     policies: tuple[str, ...] = POLICIES
@@ -142,7 +142,7 @@ def evaluate(experiment: Experiment) -> list[Target]:
         )
 
     # 2. Throughput at the overload point (where throughput is the engine's, not the load's).
-    top = max(ours)
+    top = min(ours, key=lambda load: abs(load - 1.5))
     ratio = ours[top].output_tokens_per_s / max(fcfs[top].output_tokens_per_s, 1e-9)
     targets.append(
         Target(2, f"Throughput ≥ 98% of FCFS (at {top:g}x)", f"{ratio:.1%}", "≥ 98%", ratio >= 0.98)

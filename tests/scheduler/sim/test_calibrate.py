@@ -1,0 +1,37 @@
+"""Calibration from the real engine: step shapes from real plans, times from real steps."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.request import Request, SamplingParams
+from engine.step_scheduler import ScheduledChunk
+from scheduler.sim.calibrate import measure_engine_steps, plan_shape, write_samples
+from scheduler.sim.cost_model import fit_roofline, load_preset, read_samples
+
+
+@pytest.mark.slow
+def test_measure_the_built_in_model_and_fit(tmp_path) -> None:
+    samples = measure_engine_steps(batch_sizes=(1, 3), prompt_lens=(8, 40), max_tokens=4)
+    # Per batch: one prefill step, then three decode steps (the prefill makes token one).
+    assert len(samples) == 4 * 2 * 2
+    shapes = [s.shape for s in samples]
+    assert shapes[0].num_batched_tokens == 8  # one prompt of 8
+    assert shapes[1].num_batched_tokens == 1  # then its decodes
+    assert shapes[1].num_kv_tokens == 9
+    assert any(s.num_batched_tokens == 3 * 40 for s in shapes)
+    assert all(s.step_s > 0 for s in samples)
+    path = tmp_path / "steps.jsonl"
+    write_samples(samples, path)
+    assert read_samples(path.read_text().splitlines()) == samples
+    fitted = fit_roofline(load_preset("cpu-tiny"), samples)
+    assert fitted.num_samples == len(samples)
+    assert fitted.params.overhead_s >= 0
+
+
+def test_plan_shape_sums_chunks() -> None:
+    decoding = Request("a", [1] * 10, SamplingParams(max_tokens=4), output_token_ids=[1])
+    fresh = Request("b", [1] * 4, SamplingParams(max_tokens=4))
+    shape = plan_shape([ScheduledChunk(decoding, 10, 1), ScheduledChunk(fresh, 0, 4)])
+    assert (shape.num_batched_tokens, shape.num_kv_tokens) == (5, 15)
+    assert shape.num_attention_pairs == 11 + 10
