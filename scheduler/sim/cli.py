@@ -64,6 +64,8 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="discrete-event simulation of the real policy at fleet scale",
         description="Run the real queue policy and engine step scheduler on a virtual clock.",
     )
+    # `func` is how the gateway's CLI dispatches a parsed command.
+    parser.set_defaults(func=run)
     sub = parser.add_subparsers(dest="simulate_command", required=True)
 
     def common(p: argparse.ArgumentParser) -> None:

@@ -48,3 +48,15 @@ def test_calibrate_writes_a_fitted_parameter_file(tmp_path, capsys) -> None:
     fitted = load_params(out)
     assert fitted.overhead_s == pytest.approx(0.006, rel=0.05)
     assert fitted.memory_efficiency == pytest.approx(0.3, rel=0.05)
+
+
+def test_registers_under_another_cli_with_func(capsys) -> None:
+    import argparse
+
+    from scheduler.sim.cli import add_simulate_parser
+
+    parser = argparse.ArgumentParser(prog="tiergate")
+    add_simulate_parser(parser.add_subparsers())
+    args = parser.parse_args(["simulate", "presets"])
+    assert args.func(args) == 0
+    assert "cpu-tiny" in capsys.readouterr().out
