@@ -4,6 +4,11 @@
 a background task flushes every `flush_interval_s` (sooner once `max_batch` records are
 waiting). If the database is unreachable the records stay buffered and are retried; past
 `max_buffered` the oldest are dropped (and counted) rather than growing without bound.
+
+Each batch is one transaction: the records go into usage_records, each with `slo_met`
+evaluated against its tier's SLOs as they stand at that moment (read in the same
+transaction), and their sums are added to the hourly rollup usage_hourly (an upsert per
+hour, tenant and tier), so the rollup never disagrees with the records it sums.
 """
 
 from __future__ import annotations
@@ -13,12 +18,15 @@ import contextlib
 import logging
 from collections import deque
 from dataclasses import asdict, dataclass, replace
-from datetime import datetime
+from datetime import UTC, datetime
+from typing import Any
 
-from sqlalchemy import insert
-from sqlalchemy.ext.asyncio import async_sessionmaker
+from sqlalchemy import Insert, insert, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway.db.models import UsageRow
+from gateway.db.models import Tier, UsageHourly, UsageRow
+from gateway.observability.slo import SloTargets, is_slo_met, tpot_ms
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +53,7 @@ class UsageRecord:
 
 
 _MAX_INT = 2**31 - 1
+ROLLUP_COUNTS = ("requests", "refusals", "aborted", "input_tokens", "output_tokens", "slo_met")
 
 
 def _fit_columns(rec: UsageRecord) -> UsageRecord:
@@ -52,6 +61,8 @@ def _fit_columns(rec: UsageRecord) -> UsageRecord:
     model name) cannot make its batch fail forever and block every later one."""
     if not isinstance(rec, UsageRecord):
         raise TypeError(f"expected a UsageRecord, got {type(rec).__name__}")
+    if rec.created_at.tzinfo is None:  # would fail its whole batch on every retry
+        raise ValueError("UsageRecord.created_at must be timezone-aware")
     return replace(
         rec,
         request_id=rec.request_id[:64],
@@ -62,6 +73,80 @@ def _fit_columns(rec: UsageRecord) -> UsageRecord:
         prompt_tokens=min(max(int(rec.prompt_tokens), 0), _MAX_INT),
         completion_tokens=min(max(int(rec.completion_tokens), 0), _MAX_INT),
     )
+
+
+def is_record_slo_met(rec: UsageRecord, targets: SloTargets | None) -> bool:
+    """Whether one record met `targets` (None: its tier is unknown, so nothing is checked).
+
+    The dashboard's definition (gateway.observability.slo); migration 0005 evaluated the
+    rows written before it with the same rule in SQL.
+    """
+    tpot = tpot_ms(rec.e2e_ms, rec.ttft_ms, rec.completion_tokens)
+    return is_slo_met(
+        targets or SloTargets(), is_ok=rec.outcome == "ok", ttft_ms=rec.ttft_ms, tpot_ms=tpot
+    )
+
+
+def hour_of(at: datetime) -> datetime:
+    """The start of the UTC hour holding `at` (aware)."""
+    return at.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
+
+
+def hourly_sums(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """usage_records rows (with `slo_met`) summed per (hour, tenant, tier), sorted by that
+    key: each key once, as one upsert statement needs, and in one order for every writer,
+    so that two replicas upserting the same hours cannot deadlock."""
+    sums: dict[tuple[datetime, str, str], list[int]] = {}
+    for row in rows:
+        key = (hour_of(row["created_at"]), row["tenant_id"], row["tier"])
+        counts = sums.setdefault(key, [0] * len(ROLLUP_COUNTS))
+        is_refused = row["outcome"].startswith("rejected:")
+        counts[0] += 1
+        counts[1] += is_refused
+        counts[2] += row["outcome"] == "aborted"
+        if not is_refused:  # a refused request's prompt was never served
+            counts[3] += row["prompt_tokens"]
+            counts[4] += row["completion_tokens"]
+        counts[5] += bool(row["slo_met"])
+    return [
+        {
+            "hour": hour,
+            "tenant_id": tenant_id,
+            "tier": tier,
+            **dict(zip(ROLLUP_COUNTS, counts, strict=True)),
+        }
+        for (hour, tenant_id, tier), counts in sorted(sums.items())
+    ]
+
+
+def _rollup_upsert(dialect: str) -> Insert:
+    """INSERT INTO usage_hourly ... ON CONFLICT (hour, tenant_id, tier) DO UPDATE adding
+    the new counts to the stored ones (atomic per row on both databases)."""
+    dialects = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}
+    if dialect not in dialects:
+        raise NotImplementedError(f"usage rollup upsert on {dialect}")
+    table = UsageHourly.__table__
+    statement = dialects[dialect](table)
+    return statement.on_conflict_do_update(
+        index_elements=[table.c.hour, table.c.tenant_id, table.c.tier],
+        set_={name: table.c[name] + statement.excluded[name] for name in ROLLUP_COUNTS},
+    )
+
+
+async def write_usage(session: AsyncSession, records: list[UsageRecord]) -> None:
+    """Insert `records` and add them to the hourly rollup, inside the caller's transaction."""
+    if not records:
+        return
+    tiers = {rec.tier for rec in records}
+    found = await session.execute(
+        select(Tier.name, Tier.ttft_slo_ms, Tier.tpot_slo_ms).where(Tier.name.in_(tiers))
+    )
+    targets = {name: SloTargets(ttft, tpot) for name, ttft, tpot in found}
+    rows = [
+        {**asdict(rec), "slo_met": is_record_slo_met(rec, targets.get(rec.tier))} for rec in records
+    ]
+    await session.execute(insert(UsageRow), rows)
+    await session.execute(_rollup_upsert(session.bind.dialect.name), hourly_sums(rows))
 
 
 class UsageWriter:
@@ -138,7 +223,7 @@ class UsageWriter:
             self._num_in_flight = len(batch)
             try:
                 async with self._sessionmaker() as session, session.begin():
-                    await session.execute(insert(UsageRow), [asdict(rec) for rec in batch])
+                    await write_usage(session, batch)
             except Exception as exc:
                 self._num_failed_flushes += 1
                 if self._num_failed_flushes == 1:

@@ -1,16 +1,21 @@
 """Usage and cost per tenant and tier over a time range, grouped by hour or day.
 
-One aggregate query over usage_records (served by the time index of migration 0004),
-joined with the tiers for their SLOs. A row counts:
+The sums come from the hourly rollup usage_hourly for the whole UTC hours of the range
+and from usage_records only for the partial hours at its edges (migration 0005); the
+result is identical to summing usage_records over the whole range
+(`usage_report_from_records`, the reference). Joined with the tiers for their prices. A
+row counts:
 
 - requests: every request recorded (offered load: served, failed, aborted, refused);
 - refusals: those refused at admission (outcome "rejected:<code>");
 - input_tokens, output_tokens: tokens of the requests that were not refused;
 - slo_met / slo_attainment: requests that completed within the tier's TTFT and TPOT SLO
   (TPOT = (E2E - TTFT) / (output tokens - 1)), over requests minus aborted ones (a
-  client that went away did not wait for an answer). Refusals count as misses. SLOs
-  and prices are the tier's current ones;
-- cost: input and output tokens at the tier's prices per million tokens.
+  client that went away did not wait for an answer). Refusals count as misses. Whether
+  a request met its SLO is decided once, against the tier's SLOs when its record is
+  written (usage_records.slo_met), so tightening a tier's SLO does not rewrite history
+  and a sum per hour can hold it;
+- cost: input and output tokens at the tier's current prices per million tokens.
 """
 
 from __future__ import annotations
@@ -18,11 +23,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import and_, case, func, literal_column, or_, select
+from sqlalchemy import Select, case, func, literal_column, select, union_all
 from sqlalchemy.ext.asyncio import async_sessionmaker
 from sqlalchemy.sql.elements import ColumnElement
 
-from gateway.db.models import Tier, UsageRow
+from gateway.db.models import Tier, UsageHourly, UsageRow
+from gateway.usage import ROLLUP_COUNTS, hour_of
 
 GROUPINGS = {"hour": timedelta(hours=1), "day": timedelta(days=1)}
 _SQLITE_FORMATS = {"hour": "%Y-%m-%d %H:00:00", "day": "%Y-%m-%d 00:00:00"}
@@ -74,65 +80,122 @@ class UsageLine:
         }
 
 
-def _period(dialect: str, group_by: str) -> ColumnElement:
-    created = UsageRow.created_at
+def _period(dialect: str, group_by: str, at: ColumnElement) -> ColumnElement:
     if dialect == "sqlite":
         # Stored as naive UTC text: truncating the text is truncating the time.
-        return func.strftime(_SQLITE_FORMATS[group_by], created)
-    return func.date_trunc(group_by, func.timezone("UTC", created))
+        return func.strftime(_SQLITE_FORMATS[group_by], at)
+    return func.date_trunc(group_by, func.timezone("UTC", at))
 
 
-def _slo_met() -> ColumnElement:
-    u, t = UsageRow, Tier
-    tpot = (u.e2e_ms - u.ttft_ms) / (u.completion_tokens - 1)
-    return and_(
-        u.outcome == "ok",
-        or_(t.ttft_slo_ms.is_(None), u.ttft_ms <= t.ttft_slo_ms),
-        or_(t.tpot_slo_ms.is_(None), u.completion_tokens < 2, tpot <= t.tpot_slo_ms),
+def _filtered(statement: Select, tenant_id: ColumnElement, tier: ColumnElement, query: UsageQuery):
+    if query.tenant_id is not None:
+        statement = statement.where(tenant_id == query.tenant_id)
+    if query.tier is not None:
+        statement = statement.where(tier == query.tier)
+    return statement
+
+
+def _from_records(dialect: str, query: UsageQuery, start: datetime, end: datetime) -> Select:
+    """Sums over usage_records in [start, end), per period, tenant and tier."""
+    u = UsageRow
+    refused = u.outcome.like("rejected:%")
+
+    def total_if(condition: ColumnElement, value: ColumnElement | int = 1) -> ColumnElement:
+        return func.sum(case((condition, value), else_=0))
+
+    statement = (
+        select(
+            _period(dialect, query.group_by, u.created_at).label("period"),
+            u.tenant_id,
+            u.tier,
+            func.count().label("requests"),
+            total_if(refused).label("refusals"),
+            total_if(u.outcome == "aborted").label("aborted"),
+            total_if(~refused, u.prompt_tokens).label("input_tokens"),
+            total_if(~refused, u.completion_tokens).label("output_tokens"),
+            total_if(u.slo_met).label("slo_met"),
+        )
+        .where(u.created_at >= start, u.created_at < end)
+        .group_by(literal_column("period"), u.tenant_id, u.tier)
     )
+    return _filtered(statement, u.tenant_id, u.tier, query)
+
+
+def _from_rollup(dialect: str, query: UsageQuery, start: datetime, end: datetime) -> Select:
+    """Sums over usage_hourly for the whole hours in [start, end)."""
+    h = UsageHourly
+    statement = (
+        select(
+            _period(dialect, query.group_by, h.hour).label("period"),
+            h.tenant_id,
+            h.tier,
+            *(func.sum(h.__table__.c[name]).label(name) for name in ROLLUP_COUNTS),
+        )
+        .where(h.hour >= start, h.hour < end)
+        .group_by(literal_column("period"), h.tenant_id, h.tier)
+    )
+    return _filtered(statement, h.tenant_id, h.tier, query)
+
+
+def _whole_hours(start: datetime, end: datetime) -> tuple[datetime, datetime] | None:
+    """The first and the end of the whole UTC hours in [start, end), if there are any."""
+    first = hour_of(start)
+    if first < start:
+        first += timedelta(hours=1)
+    last = hour_of(end)
+    return (first, last) if first < last else None
+
+
+def _parts(dialect: str, query: UsageQuery, *, is_rollup_used: bool) -> list[Select]:
+    whole = _whole_hours(query.start, query.end) if is_rollup_used else None
+    if whole is None:
+        return [_from_records(dialect, query, query.start, query.end)]
+    first, last = whole
+    parts = [_from_rollup(dialect, query, first, last)]
+    if query.start < first:
+        parts.append(_from_records(dialect, query, query.start, first))
+    if last < query.end:
+        parts.append(_from_records(dialect, query, last, query.end))
+    return parts
+
+
+async def _report(
+    sessionmaker: async_sessionmaker, query: UsageQuery, *, is_rollup_used: bool
+) -> list[UsageLine]:
+    async with sessionmaker() as session:
+        dialect = session.bind.dialect.name
+        parts = _parts(dialect, query, is_rollup_used=is_rollup_used)
+        sums = (parts[0] if len(parts) == 1 else union_all(*parts)).subquery("sums")
+        t = Tier
+        statement = (
+            select(
+                sums.c.period,
+                sums.c.tenant_id,
+                sums.c.tier,
+                *(func.sum(sums.c[name]).label(name) for name in ROLLUP_COUNTS),
+                func.max(func.coalesce(t.price_input_per_mtok, 0.0)).label("price_in"),
+                func.max(func.coalesce(t.price_output_per_mtok, 0.0)).label("price_out"),
+            )
+            .select_from(sums)
+            .outerjoin(t, t.name == sums.c.tier)
+            .group_by(sums.c.period, sums.c.tenant_id, sums.c.tier)
+            .order_by(sums.c.period, sums.c.tenant_id, sums.c.tier)
+        )
+        rows = (await session.execute(statement)).all()
+    return [_line(row) for row in rows]
 
 
 async def usage_report(sessionmaker: async_sessionmaker, query: UsageQuery) -> list[UsageLine]:
     """The report's lines, oldest period first, then by tenant and tier."""
-    u, t = UsageRow, Tier
-    async with sessionmaker() as session:
-        dialect = session.bind.dialect.name
-        period = _period(dialect, query.group_by).label("period")
-        refused = u.outcome.like("rejected:%")
-        served = ~refused
+    return await _report(sessionmaker, query, is_rollup_used=True)
 
-        def count_if(condition: ColumnElement) -> ColumnElement:
-            return func.sum(case((condition, 1), else_=0))
 
-        def sum_if(condition: ColumnElement, value: ColumnElement) -> ColumnElement:
-            return func.sum(case((condition, value), else_=0))
-
-        statement = (
-            select(
-                period,
-                u.tenant_id,
-                u.tier,
-                func.count().label("requests"),
-                count_if(refused).label("refusals"),
-                count_if(u.outcome == "aborted").label("aborted"),
-                sum_if(served, u.prompt_tokens).label("input_tokens"),
-                sum_if(served, u.completion_tokens).label("output_tokens"),
-                count_if(_slo_met()).label("slo_met"),
-                func.max(func.coalesce(t.price_input_per_mtok, 0.0)).label("price_in"),
-                func.max(func.coalesce(t.price_output_per_mtok, 0.0)).label("price_out"),
-            )
-            .select_from(u)
-            .outerjoin(t, t.name == u.tier)
-            .where(u.created_at >= query.start, u.created_at < query.end)
-            .group_by(literal_column("period"), u.tenant_id, u.tier)
-            .order_by(literal_column("period"), u.tenant_id, u.tier)
-        )
-        if query.tenant_id is not None:
-            statement = statement.where(u.tenant_id == query.tenant_id)
-        if query.tier is not None:
-            statement = statement.where(u.tier == query.tier)
-        rows = (await session.execute(statement)).all()
-    return [_line(row) for row in rows]
+async def usage_report_from_records(
+    sessionmaker: async_sessionmaker, query: UsageQuery
+) -> list[UsageLine]:
+    """The same report summed from usage_records alone: the reference the rollup must
+    equal, and what /admin/v1/usage cost before it (tests and the benchmark use it)."""
+    return await _report(sessionmaker, query, is_rollup_used=False)
 
 
 def _line(row) -> UsageLine:

@@ -1,4 +1,4 @@
-"""SQLAlchemy models for tiers, tenants, API keys and usage records.
+"""SQLAlchemy models for tiers, tenants, API keys, usage records and their hourly rollup.
 
 The same schema runs on SQLite (the embedded default) and PostgreSQL; the Alembic
 versions in migrations/ create it, and a test checks the two agree.
@@ -18,7 +18,9 @@ from sqlalchemy import (
     Index,
     Integer,
     MetaData,
+    PrimaryKeyConstraint,
     String,
+    false,
     func,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -183,3 +185,28 @@ class UsageRow(Base):
     e2e_ms: Mapped[float] = mapped_column(Float)
     outcome: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    # Whether the request met its tier's SLO as the tier stood when the record was
+    # written (migration 0005 evaluated older rows against the tiers of that day).
+    slo_met: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+
+
+class UsageHourly(Base):
+    """usage_records summed per UTC hour, tenant and tier, so that /admin/v1/usage reads
+    one row per (hour, tenant, tier) instead of one per request. The UsageWriter adds
+    each batch in the same transaction that inserts its records (migration 0005)."""
+
+    __tablename__ = "usage_hourly"
+    __table_args__ = (
+        PrimaryKeyConstraint("hour", "tenant_id", "tier", name="pk_usage_hourly"),
+        Index("ix_usage_hourly_tenant_id_hour", "tenant_id", "hour"),
+    )
+
+    hour: Mapped[datetime] = mapped_column(UTCDateTime)  # start of the hour, UTC
+    tenant_id: Mapped[str] = mapped_column(String(40))
+    tier: Mapped[str] = mapped_column(String(32))
+    requests: Mapped[int] = mapped_column(BigInteger)
+    refusals: Mapped[int] = mapped_column(BigInteger)  # outcome "rejected:<code>"
+    aborted: Mapped[int] = mapped_column(BigInteger)  # outcome "aborted"
+    input_tokens: Mapped[int] = mapped_column(BigInteger)  # of requests not refused
+    output_tokens: Mapped[int] = mapped_column(BigInteger)  # of requests not refused
+    slo_met: Mapped[int] = mapped_column(BigInteger)

@@ -6,14 +6,15 @@ import csv
 import io
 import time
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
-from sqlalchemy import insert, update
+from sqlalchemy import update
 
-from gateway.admin.usage_report import UsageQuery, usage_report
-from gateway.db.models import Tier, UsageRow
+from gateway.admin.usage_report import UsageQuery, usage_report, usage_report_from_records
+from gateway.db.models import Tier
+from gateway.usage import UsageRecord, write_usage
 
 if TYPE_CHECKING:
     from tests.gateway.conftest import LiveServer
@@ -21,8 +22,8 @@ if TYPE_CHECKING:
 T0 = datetime(2025, 3, 1, 10, 0, tzinfo=UTC)
 
 
-def row(tenant: str, tier: str, at: datetime, **over: object) -> dict[str, object]:
-    values: dict[str, object] = {
+def row(tenant: str, tier: str, at: datetime, **over: Any) -> UsageRecord:
+    values: dict[str, Any] = {
         "request_id": f"req_{tenant}_{at.timestamp()}_{over.get('outcome', 'ok')}",
         "tenant_id": tenant,
         "tier": tier,
@@ -36,7 +37,7 @@ def row(tenant: str, tier: str, at: datetime, **over: object) -> dict[str, objec
         "created_at": at,
     }
     values.update(over)
-    return values
+    return UsageRecord(**values)
 
 
 async def test_report_counts_tokens_slo_refusals_and_cost(db_sessionmaker) -> None:
@@ -71,7 +72,8 @@ async def test_report_counts_tokens_slo_refusals_and_cost(db_sessionmaker) -> No
             row("ten_a", "interactive", T0 - timedelta(minutes=1)),  # before the range
             row("ten_a", "interactive", T0 + timedelta(days=1)),  # after it
         ]
-        await session.execute(insert(UsageRow), rows)
+        # As the UsageWriter writes a batch: records and hourly rollup together.
+        await write_usage(session, rows)
 
     hourly = await usage_report(db_sessionmaker, UsageQuery(T0, T0 + timedelta(hours=3), "hour"))
     keyed = {(line.period_start, line.tenant_id, line.tier): line for line in hourly}
@@ -91,6 +93,22 @@ async def test_report_counts_tokens_slo_refusals_and_cost(db_sessionmaker) -> No
     batch = keyed[(T0, "ten_b", "batch")]
     assert batch.slo_met == 1
     assert batch.as_dict()["slo_attainment"] == 1.0
+
+    assert (
+        await usage_report_from_records(
+            db_sessionmaker, UsageQuery(T0, T0 + timedelta(hours=3), "hour")
+        )
+        == hourly
+    )
+    # Minutes off the hour: the edges come from the records, the middle from the rollup.
+    edges = await usage_report(
+        db_sessionmaker, UsageQuery(T0 + timedelta(minutes=2), T0 + timedelta(hours=2, minutes=6))
+    )
+    assert [(line.period_start, line.tenant_id, line.requests) for line in edges] == [
+        (T0, "ten_a", 4),
+        (T0, "ten_b", 1),
+        (T0 + timedelta(hours=1), "ten_a", 1),
+    ]
 
     daily = await usage_report(
         db_sessionmaker,

@@ -1,0 +1,283 @@
+"""The hourly rollup: /admin/v1/usage from usage_hourly plus the edges of usage_records
+equals the sums over usage_records alone and an independent Python computation, on
+random data and random ranges, on SQLite and PostgreSQL; migration 0005 backfills it."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+import sqlalchemy as sa
+from sqlalchemy import func, select, update
+
+from gateway.admin.usage_report import (
+    UsageLine,
+    UsageQuery,
+    usage_report,
+    usage_report_from_records,
+)
+from gateway.db.models import Tier, UsageHourly, UsageRow, UTCDateTime
+from gateway.db.session import create_db_engine, create_sessionmaker
+from gateway.migrate import current_revision, downgrade_to, upgrade_to_head
+from gateway.usage import UsageRecord, UsageWriter
+
+START = datetime(2025, 6, 1, 0, 0, tzinfo=UTC)
+SPAN = timedelta(days=3)
+TENANTS = ("ten_a", "ten_b", "ten_c", "Ten_d")
+
+
+@dataclass(frozen=True)
+class TierTerms:
+    ttft_slo_ms: float | None
+    tpot_slo_ms: float | None
+    price_in: float
+    price_out: float
+
+
+# "legacy" has no tiers row (deleted since): no SLO is checked and the price is 0.
+TERMS = {
+    "priority": TierTerms(500.0, 50.0, 3.0, 15.0),
+    "interactive": TierTerms(None, 30.0, 1.0, 5.0),  # a TPOT limit only
+    "batch": TierTerms(None, None, 0.25, 1.25),
+    "legacy": TierTerms(None, None, 0.0, 0.0),
+}
+OUTCOMES = ("ok",) * 7 + ("error", "aborted", "rejected:rate_limit_exceeded", "rejected:slo")
+
+
+async def _set_tier_terms(sessionmaker) -> None:
+    async with sessionmaker() as session, session.begin():
+        for name, terms in TERMS.items():
+            await session.execute(
+                update(Tier)
+                .where(Tier.name == name)
+                .values(
+                    ttft_slo_ms=terms.ttft_slo_ms,
+                    tpot_slo_ms=terms.tpot_slo_ms,
+                    price_input_per_mtok=terms.price_in,
+                    price_output_per_mtok=terms.price_out,
+                )
+            )
+
+
+def random_records(rng: random.Random, count: int) -> list[UsageRecord]:
+    records = []
+    for i in range(count):
+        if rng.random() < 0.05:  # exactly on an hour boundary
+            at = START + timedelta(hours=rng.randrange(int(SPAN.total_seconds() // 3600)))
+        else:
+            at = START + timedelta(microseconds=rng.randrange(int(SPAN.total_seconds() * 1e6)))
+        num_out = rng.choice((0, 1, 2, 3, rng.randrange(300)))
+        ttft_ms = None if rng.random() < 0.1 else rng.uniform(0, 1000)
+        decode_ms = rng.uniform(-5, 60 * max(num_out, 1))  # below 0: clocks disagree
+        records.append(
+            UsageRecord(
+                request_id=f"req_{i}",
+                tenant_id=rng.choice(TENANTS),
+                tier=rng.choice(tuple(TERMS)),
+                model="tiny-random",
+                prompt_tokens=rng.randrange(2000),
+                completion_tokens=num_out,
+                queue_wait_ms=rng.uniform(0, 100),
+                ttft_ms=ttft_ms,
+                e2e_ms=(ttft_ms or 0.0) + decode_ms,
+                outcome=rng.choice(OUTCOMES),
+                created_at=at,
+            )
+        )
+    return records
+
+
+def is_met(rec: UsageRecord) -> bool:
+    """ARCHITECTURE.md's definition, written out independently of the code under test."""
+    terms = TERMS[rec.tier]
+    if rec.outcome != "ok":
+        return False
+    if terms.ttft_slo_ms is not None and (rec.ttft_ms is None or rec.ttft_ms > terms.ttft_slo_ms):
+        return False
+    if terms.tpot_slo_ms is None or rec.ttft_ms is None or rec.completion_tokens < 2:
+        return True
+    tpot_ms = max(0.0, rec.e2e_ms - rec.ttft_ms) / (rec.completion_tokens - 1)
+    return tpot_ms <= terms.tpot_slo_ms
+
+
+def expected_lines(records: list[UsageRecord], query: UsageQuery) -> dict[tuple, UsageLine]:
+    sums: dict[tuple, list[int]] = {}
+    for rec in records:
+        if not (query.start <= rec.created_at < query.end):
+            continue
+        if query.tenant_id not in (None, rec.tenant_id) or query.tier not in (None, rec.tier):
+            continue
+        period = rec.created_at.replace(minute=0, second=0, microsecond=0)
+        if query.group_by == "day":
+            period = period.replace(hour=0)
+        counts = sums.setdefault((period, rec.tenant_id, rec.tier), [0] * 6)
+        is_refused = rec.outcome.startswith("rejected:")
+        counts[0] += 1
+        counts[1] += is_refused
+        counts[2] += rec.outcome == "aborted"
+        counts[3] += 0 if is_refused else rec.prompt_tokens
+        counts[4] += 0 if is_refused else rec.completion_tokens
+        counts[5] += is_met(rec)
+    lines = {}
+    for key, (requests, refusals, aborted, num_in, num_out, met) in sums.items():
+        terms = TERMS[key[2]]
+        cost = (num_in * terms.price_in + num_out * terms.price_out) / 1_000_000
+        lines[key] = UsageLine(*key, requests, refusals, aborted, num_in, num_out, met, cost)
+    return lines
+
+
+def random_queries(rng: random.Random, count: int) -> list[UsageQuery]:
+    def instant() -> datetime:
+        hours = rng.randrange(-2, int(SPAN.total_seconds() // 3600) + 2)
+        at = START + timedelta(hours=hours)
+        if rng.random() < 0.6:  # mostly inside an hour, sometimes on its boundary
+            at += timedelta(microseconds=rng.randrange(3_600_000_000))
+        return at
+
+    whole = UsageQuery(START - timedelta(hours=1), START + SPAN + timedelta(hours=1), "day")
+    queries = [
+        whole,
+        UsageQuery(START + timedelta(minutes=10), START + timedelta(minutes=50)),  # in an hour
+        UsageQuery(START + timedelta(hours=5), START + timedelta(hours=6)),  # exactly one
+        UsageQuery(START + timedelta(hours=5), START + timedelta(hours=7, seconds=1)),
+        UsageQuery(START + timedelta(hours=5, microseconds=1), START + timedelta(hours=7)),
+    ]
+    while len(queries) < count:
+        start, end = sorted((instant(), instant()))
+        if start == end:
+            continue
+        queries.append(
+            UsageQuery(
+                start,
+                end,
+                rng.choice(("hour", "day")),
+                tenant_id=rng.choice((None, None, *TENANTS)),
+                tier=rng.choice((None, None, None, *TERMS)),
+            )
+        )
+    return queries
+
+
+async def _write(sessionmaker, records: list[UsageRecord], *, max_batch: int) -> None:
+    writer = UsageWriter(sessionmaker, max_batch=max_batch)
+    for rec in records:
+        writer.record(rec)
+    await writer.aclose()
+    assert writer.num_written == len(records)
+
+
+async def _assert_reports_agree(sessionmaker, records, queries) -> None:
+    for query in queries:
+        from_rollup = await usage_report(sessionmaker, query)
+        from_records = await usage_report_from_records(sessionmaker, query)
+        assert from_rollup == from_records, query
+        expected = expected_lines(records, query)
+        assert {(x.period_start, x.tenant_id, x.tier): x for x in from_rollup} == expected, query
+
+
+async def test_rollup_report_equals_raw_aggregation_on_random_data(db_sessionmaker) -> None:
+    rng = random.Random(20250601)
+    await _set_tier_terms(db_sessionmaker)
+    records = random_records(rng, 1500)
+    rng.shuffle(records)  # batches revisit hours that earlier batches already upserted
+    await _write(db_sessionmaker, records, max_batch=97)
+
+    async with db_sessionmaker() as session:
+        num_buckets = await session.scalar(select(func.count()).select_from(UsageHourly))
+        stored = dict((await session.execute(select(UsageRow.request_id, UsageRow.slo_met))).all())
+    # One row per (hour, tenant, tier): later batches added to the rows of earlier ones.
+    assert num_buckets == len({(_hour(rec), rec.tenant_id, rec.tier) for rec in records})
+    assert stored == {rec.request_id: is_met(rec) for rec in records}
+    await _assert_reports_agree(db_sessionmaker, records, random_queries(rng, 40))
+
+
+async def test_slo_met_is_decided_when_written(db_sessionmaker) -> None:
+    await _set_tier_terms(db_sessionmaker)
+    first = UsageRecord("req_1", "ten_a", "priority", "m", 10, 11, 1.0, 400.0, 800.0, "ok", START)
+    await _write(db_sessionmaker, [first], max_batch=10)
+    async with db_sessionmaker() as session, session.begin():
+        await session.execute(update(Tier).where(Tier.name == "priority").values(ttft_slo_ms=300))
+    later = UsageRecord("req_2", "ten_a", "priority", "m", 10, 11, 1.0, 400.0, 800.0, "ok", START)
+    await _write(db_sessionmaker, [later], max_batch=10)
+
+    query = UsageQuery(START - timedelta(hours=1), START + timedelta(hours=1))
+    (line,) = await usage_report(db_sessionmaker, query)
+    # The first met the SLO of its day; the tightened SLO applies from then on only.
+    assert (line.requests, line.slo_met) == (2, 1)
+    assert await usage_report_from_records(db_sessionmaker, query) == [line]
+
+
+# Migration 0005 on data written before it.
+
+_USAGE_AT_0004 = sa.table(
+    "usage_records",
+    *(
+        sa.column(name)
+        for name in (
+            "request_id",
+            "tenant_id",
+            "tier",
+            "model",
+            "prompt_tokens",
+            "completion_tokens",
+            "queue_wait_ms",
+            "ttft_ms",
+            "e2e_ms",
+            "outcome",
+        )
+    ),
+    sa.column("created_at", UTCDateTime),
+)
+
+
+async def test_migration_0005_backfills_the_rollup(database_url: str) -> None:
+    await asyncio.to_thread(upgrade_to_head, database_url)
+    await asyncio.to_thread(downgrade_to, database_url, "0004")
+    rng = random.Random(5)
+    before, after = random_records(rng, 800), random_records(rng, 200)
+    engine = create_db_engine(database_url)
+    sessionmaker = create_sessionmaker(engine)
+    try:
+        await _set_tier_terms(sessionmaker)
+        async with engine.begin() as connection:
+            await connection.execute(sa.insert(_USAGE_AT_0004), [rec.__dict__ for rec in before])
+        await engine.dispose()  # let the migration have the SQLite file
+
+        await asyncio.to_thread(upgrade_to_head, database_url)
+        async with sessionmaker() as session:
+            stored = dict(
+                (await session.execute(select(UsageRow.request_id, UsageRow.slo_met))).all()
+            )
+        assert stored == {rec.request_id: is_met(rec) for rec in before}
+        # New records land in the hours the backfill created (same keys, not duplicates).
+        await _write(sessionmaker, [_renamed(rec) for rec in after], max_batch=50)
+        records = before + [_renamed(rec) for rec in after]
+        async with sessionmaker() as session:
+            hours = await session.scalar(select(func.count(func.distinct(UsageHourly.hour))))
+        assert hours == len({_hour(rec) for rec in records})
+        await _assert_reports_agree(sessionmaker, records, random_queries(rng, 15))
+        await engine.dispose()
+
+        await asyncio.to_thread(downgrade_to, database_url, "0004")
+        assert await asyncio.to_thread(current_revision, database_url) == "0004"
+        async with engine.connect() as connection:
+            columns = await connection.run_sync(
+                lambda c: {col["name"] for col in sa.inspect(c).get_columns("usage_records")}
+            )
+            tables = await connection.run_sync(lambda c: sa.inspect(c).get_table_names())
+            num_rows = await connection.scalar(select(func.count()).select_from(_USAGE_AT_0004))
+        assert "slo_met" not in columns
+        assert "usage_hourly" not in tables
+        assert num_rows == len(records)  # the downgrade keeps every record
+    finally:
+        await engine.dispose()
+
+
+def _hour(rec: UsageRecord) -> datetime:
+    return rec.created_at.replace(minute=0, second=0, microsecond=0)
+
+
+def _renamed(rec: UsageRecord) -> UsageRecord:
+    return UsageRecord(**{**rec.__dict__, "request_id": f"late_{rec.request_id}"})
