@@ -1,4 +1,5 @@
-"""Usage records: buffered, written in batches off the request path, retried, bounded."""
+"""Usage records: buffered, written in batches off the request path, retried, bounded;
+each batch adds to the hourly rollup in its own transaction."""
 
 from __future__ import annotations
 
@@ -6,9 +7,9 @@ import asyncio
 import time
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import select
+from sqlalchemy import select, text
 
-from gateway.db.models import UsageRow
+from gateway.db.models import UsageHourly, UsageRow
 from gateway.db.session import create_db_engine, create_sessionmaker
 from gateway.migrate import upgrade_to_head
 from gateway.usage import UsageRecord, UsageWriter
@@ -138,3 +139,61 @@ async def test_record_never_raises_and_odd_records_do_not_block(db_sessionmaker)
     rows = await _rows(db_sessionmaker)
     assert [r.request_id for r in rows] == ["req_1", "req_2"]
     assert rows[0].model == "m" * 200
+
+
+async def _hourly(sessionmaker) -> dict[tuple, tuple]:
+    async with sessionmaker() as session:
+        rows = (await session.execute(select(UsageHourly))).scalars().all()
+    return {
+        (r.hour, r.tenant_id, r.tier): (r.requests, r.input_tokens, r.output_tokens, r.slo_met)
+        for r in rows
+    }
+
+
+async def test_batch_and_rollup_are_one_transaction(db_sessionmaker) -> None:
+    # No rollup table: the records' insert succeeds, the upsert fails, and the whole
+    # batch must roll back so that the retry counts each record exactly once.
+    async def rename(old: str, new: str) -> None:
+        async with db_sessionmaker() as session, session.begin():
+            await session.execute(text(f"ALTER TABLE {old} RENAME TO {new}"))
+
+    writer = UsageWriter(db_sessionmaker, max_batch=10)
+    for i in range(4):
+        writer.record(_record(i))
+    await rename("usage_hourly", "usage_hourly_away")
+    assert await writer.flush() is False
+    await rename("usage_hourly_away", "usage_hourly")
+    assert await _rows(db_sessionmaker) == []
+    assert await writer.flush() is True
+    hour = T0.replace(minute=0, second=0, microsecond=0)
+    assert await _hourly(db_sessionmaker) == {
+        (hour, "ten_a", "interactive"): (2, 11 + 13, 1 + 3, 2),
+        (hour, "ten_b", "interactive"): (2, 10 + 12, 0 + 2, 2),
+    }
+
+
+async def test_concurrent_writers_add_up(db_sessionmaker) -> None:
+    # Two replicas' writers upserting the same hours at once: every record counted once.
+    writers = [UsageWriter(db_sessionmaker, max_batch=25) for _ in range(2)]
+    for i in range(200):
+        writers[i % 2].record(_record(i, created_at=T0 + timedelta(minutes=(i * 7) % 180)))
+
+    async def drain(writer: UsageWriter) -> None:
+        while writer.num_pending:
+            if not await writer.flush():
+                await asyncio.sleep(0.01)  # SQLite: the other writer holds the file
+
+    await asyncio.gather(*(drain(w) for w in writers))
+    totals = await _hourly(db_sessionmaker)
+    assert sum(count[0] for count in totals.values()) == 200
+    assert sum(count[1] for count in totals.values()) == sum(10 + i for i in range(200))
+    assert len(totals) == 3 * 2  # three hours, two tenants
+
+
+async def test_naive_time_is_dropped_not_retried_forever(db_sessionmaker) -> None:
+    writer = UsageWriter(db_sessionmaker)
+    writer.record(_record(1, created_at=datetime(2030, 1, 1)))
+    writer.record(_record(2))
+    assert writer.num_pending == 1
+    await writer.aclose()
+    assert [r.request_id for r in await _rows(db_sessionmaker)] == ["req_2"]
