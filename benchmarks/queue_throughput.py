@@ -55,7 +55,7 @@ def make_jobs(num_jobs: int, run: str) -> list[Job]:
             job_id=f"{run}-{i}",
             tenant_id=f"tenant-{i % NUM_TENANTS}",
             tier=TIERS[i % NUM_TENANTS % len(TIERS)].name,
-            rank=0,
+            rank=TIERS[i % NUM_TENANTS % len(TIERS)].rank,  # as the gateway admits it
             weight=1.0 + (i % 3),
             prompt_token_ids=PROMPT,
             params=PARAMS,

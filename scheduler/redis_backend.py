@@ -213,7 +213,7 @@ class RedisBackend:
 
     async def dispatch(self, worker_id: str, lease_ms: int) -> Job | None:
         leased = await self._run("dispatch", *self._dispatch_args(worker_id, lease_ms, 1))
-        return _leased_job(leased, 0) if leased else None
+        return _leased_job(leased[0]) if leased else None
 
     async def dispatch_many(self, worker_id: str, lease_ms: int, num_jobs: int) -> list[Job]:
         """Up to num_jobs dispatches in one round trip, in policy order; each lease is the
@@ -226,7 +226,7 @@ class RedisBackend:
                     args[-1] = min(MAX_JOBS_PER_CALL, num_jobs - i)
                     await self._scripts["dispatch"](keys=[], args=list(args), client=pipe)
                 replies = await pipe.execute()
-        return [_leased_job(reply, i) for reply in replies for i in range(0, len(reply), 3)]
+        return [_leased_job(leased) for reply in replies for leased in reply]
 
     def _dispatch_args(self, worker_id: str, lease_ms: int, num_jobs: int) -> list[object]:
         """dispatch.lua's arguments after the prefix."""
@@ -434,27 +434,26 @@ def _tier_policy_fields(tiers: Sequence[TierConfig]) -> dict[str, str | int]:
     return fields
 
 
-def _enqueue_fields(job: Job) -> tuple[object, ...]:
-    """One job's arguments to enqueue.lua."""
+def _enqueue_fields(job: Job) -> tuple[str, str, str]:
+    """One job's arguments to enqueue.lua: id, JSON, and the queue's fields in one string."""
     deadline = policy.deadline_ms(job)
     expire = policy.expire_at_ms(job)
-    return (
-        job.job_id,
-        job.to_json(),
-        job.tier,
-        job.tenant_id,
-        repr(float(job.weight)),
-        job.num_prompt_tokens,
-        job.params.max_tokens,
-        "" if deadline is None else deadline,
-        "" if expire is None else expire,
+    fields = (
+        f"{job.tier}\t{float(job.weight)!r}\t{job.num_prompt_tokens}\t{job.params.max_tokens}"
+        f"\t{'' if deadline is None else deadline}\t{'' if expire is None else expire}"
+        f"\t{job.tenant_id}"
     )
+    return job.job_id, job.to_json(), fields
 
 
-def _leased_job(reply: list[Any], at: int) -> Job:
-    """The job at `at` of dispatch.lua's flat reply."""
-    raw, rank, resumed = reply[at : at + 3]
-    return replace(Job.from_json(raw), rank=int(rank), resumed_token_ids=_tokens(resumed))
+def _leased_job(reply: str) -> Job:
+    """One job of dispatch.lua's reply: "<rank>|<resumed token csv>|<job JSON>"."""
+    rank_text, resumed_csv, raw = reply.split("|", 2)
+    job = Job.from_json(raw)
+    rank, resumed = int(rank_text), _tokens(resumed_csv)
+    if job.rank != rank or job.resumed_token_ids != resumed:
+        job = replace(job, rank=rank, resumed_token_ids=resumed)
+    return job
 
 
 def _event(entry_id: str, fields: dict[str, str]) -> ResultEvent:

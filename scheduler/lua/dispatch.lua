@@ -6,9 +6,9 @@
 -- ARGV: 1 prefix, 2 now_ms, 3 worker_id, 4 lease_ms, 5 input_token_weight,
 --       6 output_token_weight, 7 share_bucket_ms, 8 share_buckets, 9 deadline_margin_ms,
 --       10 max_expired_per_dispatch, 11 finished_ttl_ms, 12 result_ttl_ms, 13 most jobs
--- Returns: a flat array, three entries per leased job in order: job JSON, rank, resumed
--- token csv (fewer jobs than asked, or none, when the queue runs dry). Flat, because
--- parsing nested replies was a large part of the client's cost.
+-- Returns: one string per leased job, in order: "<rank>|<resumed token csv>|<job JSON>"
+-- (fewer jobs than asked, or none, when the queue runs dry). One string per job,
+-- because parsing reply elements was a large part of the client's cost.
 local now, worker, lease_ms = tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
 local in_w, out_w = tonumber(ARGV[5]), tonumber(ARGV[6])
 local bucket_ms, num_buckets = tonumber(ARGV[7]), tonumber(ARGV[8])
@@ -105,16 +105,14 @@ local function dispatch_one()
   redis.call('HSET', key, 'st', 'leased', 'wk', worker, 'lu', lease_until, 'chg', 1,
     'att', tonumber(h[11]) + 1)
   redis.call('ZADD', K.leases, lease_until, id)
-  return {h[7], rank_of(tiers, tier), h[8]}
+  return string.format('%d', rank_of(tiers, tier)) .. '|' .. h[8] .. '|' .. h[7]
 end
 
 local leased = {}
 for _ = 1, tonumber(ARGV[13]) do
   local one = dispatch_one()
   if not one then break end
-  leased[#leased + 1] = one[1]
-  leased[#leased + 1] = one[2]
-  leased[#leased + 1] = one[3]
+  leased[#leased + 1] = one
 end
 for tier, counter in pairs(floors) do redis.call('HSET', K.floor, tier, counter) end
 for key, tokens in pairs(share_pending) do redis.call('HINCRBY', key, current, tokens) end

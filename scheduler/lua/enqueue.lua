@@ -2,8 +2,10 @@
 -- One call takes a batch so that enqueue_many pays the per-call cost once; each job's
 -- outcome is exactly that of enqueueing it alone.
 -- KEYS: none; every key derives from the prefix in ARGV[1] (scheduler/keys.py).
--- ARGV: 1 prefix, 2 now_ms, then 9 per job: job_id, job JSON, tier, tenant, weight,
---       prompt tokens, max_tokens, deadline ms or '', expire-at ms or ''
+-- ARGV: 1 prefix, 2 now_ms, then 3 per job: job_id, job JSON, and the fields the queue
+--       reads in one tab-separated string (fewer arguments cost the client less):
+--       tier, weight, prompt tokens, max_tokens, deadline ms or '', expire-at ms or '',
+--       tenant (last, so it may hold any character)
 -- Returns: per job 'ok', 'unknown_tier', 'duplicate' or 'queue_full'.
 local policies = {}  -- tier -> {max_queued} or false, read once per call
 -- Arrival numbers: the first from INCR, the rest counted here and added at the end.
@@ -11,8 +13,10 @@ local seq, first_seq = nil, nil
 local outcomes = {}
 depth_pending = {}
 
-local function enqueue_one(a)
-  local id, tier, tenant = ARGV[a], ARGV[a + 2], ARGV[a + 3]
+local FIELDS = '^([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t(.*)$'
+
+local function enqueue_one(id, json, fields)
+  local tier, weight, pin, dec, dl, ex, tenant = string.match(fields, FIELDS)
   local p = policies[tier]
   if p == nil then
     local h = redis.call('HMGET', K.tier_policy, 'rank:' .. tier, 'max_queued:' .. tier)
@@ -24,8 +28,8 @@ local function enqueue_one(a)
     if redis.call('EXISTS', K.job .. id) == 1 then return 'duplicate' end
     local queued = tonumber(redis.call('HGET', K.depth, tier) or '0')
     if queued + (depth_pending[tier] or 0) >= p.max_queued then return 'queue_full' end
-    redis.call('HSET', K.job .. id, 'j', ARGV[a + 1])
-  elseif redis.call('HSETNX', K.job .. id, 'j', ARGV[a + 1]) == 0 then
+    redis.call('HSET', K.job .. id, 'j', json)
+  elseif redis.call('HSETNX', K.job .. id, 'j', json) == 0 then
     -- Without a cap nothing can refuse the job after this check, so the existence test
     -- and the first write are one call. Every job hash holds 'j' until it expires.
     return 'duplicate'
@@ -36,17 +40,17 @@ local function enqueue_one(a)
     seq = redis.call('INCR', K.seq)
     first_seq = seq
   end
-  redis.call('HSET', K.job .. id, 'tier', tier, 'tenant', tenant,
-    'w', ARGV[a + 4], 'pin', ARGV[a + 5], 'dec', ARGV[a + 6], 'seq', seq, 'dl', ARGV[a + 7],
-    'ex', ARGV[a + 8], 'chg', 0, 'att', 0, 'res', '', 'wk', '', 'lu', 0, 'st', 'queued')
-  redis.call('HSET', K.weights .. tier, tenant, ARGV[a + 4])
-  push(id, tier, tenant, seq, tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6]), ARGV[a + 7])
-  if ARGV[a + 8] ~= '' then redis.call('ZADD', K.expiries, ARGV[a + 8], id) end
+  redis.call('HSET', K.job .. id, 'tier', tier, 'tenant', tenant, 'w', weight, 'pin', pin,
+    'dec', dec, 'seq', seq, 'dl', dl, 'ex', ex, 'chg', 0, 'att', 0, 'res', '', 'wk', '',
+    'lu', 0, 'st', 'queued')
+  redis.call('HSET', K.weights .. tier, tenant, weight)
+  push(id, tier, tenant, seq, tonumber(pin), tonumber(dec), dl)
+  if ex ~= '' then redis.call('ZADD', K.expiries, ex, id) end
   return 'ok'
 end
 
-for a = 3, #ARGV, 9 do
-  outcomes[#outcomes + 1] = enqueue_one(a)
+for a = 3, #ARGV, 3 do
+  outcomes[#outcomes + 1] = enqueue_one(ARGV[a], ARGV[a + 1], ARGV[a + 2])
 end
 if seq and seq > first_seq then redis.call('INCRBY', K.seq, seq - first_seq) end
 for tier, n in pairs(depth_pending) do redis.call('HINCRBY', K.depth, tier, n) end

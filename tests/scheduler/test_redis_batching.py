@@ -128,3 +128,34 @@ async def test_queue_full_inside_one_batch() -> None:
     finally:
         await delete_keys(client, keys)
         await client.aclose()
+
+
+async def test_fields_with_separators_round_trip() -> None:
+    # The queue's fields travel tab-separated and leased jobs come back "|"-separated;
+    # ids and text holding those characters must come back unchanged.
+    client = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
+    keys = unique_keys()
+    backend = RedisBackend(client, keys=keys, config=CONFIG, clock_ms=FakeClock())
+    try:
+        await backend.configure_tiers(TIERS)
+        job = Job(
+            job_id="id|with\ttab",
+            tenant_id="tenant\twith|pipe\n",
+            tier="interactive",
+            rank=1,
+            weight=1.5,
+            prompt_token_ids=(1, 2, 3),
+            params=SamplingParams(max_tokens=4, stop=("|", "\t")),
+            arrival_s=1_700_000_000.0,
+            metadata={"note": "a|b\tc"},
+        )
+        assert await backend.enqueue_many([job]) == ["ok"]
+        (leased,) = await backend.dispatch_many("w", 1_000, 3)
+        assert leased == job
+        assert await backend.requeue(job.job_id, [7, 8])
+        again = await backend.dispatch("w", 1_000)
+        assert again == Job(**{**job.__dict__, "resumed_token_ids": (7, 8)})
+        assert (await backend.depth()) == {}
+    finally:
+        await delete_keys(client, keys)
+        await client.aclose()
