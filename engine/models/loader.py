@@ -118,11 +118,8 @@ def _target(name: str) -> tuple[str, int | None] | None:
         "self_attn.q_norm.weight": "q_norm",
         "self_attn.k_norm.weight": "k_norm",
     }
-    if rest in renamed:
-        return prefix + renamed[rest], None
-    if "rotary_emb" in rest:
-        return None
-    return None
+    # Anything else (rotary inv_freq buffers of old checkpoints...) is not a weight of ours.
+    return (prefix + renamed[rest], None) if rest in renamed else None
 
 
 def _copy_weights(model: DecoderLM, arch: ModelArch, files: list[Path], dtype: torch.dtype):
