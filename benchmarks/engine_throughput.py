@@ -48,6 +48,24 @@ class Workload:
         return sum(self.output_lens)
 
 
+@dataclass(frozen=True)
+class Timing:
+    """Wall time, and CPU time of the whole process (all its threads): on a shared
+    machine the CPU time is the fairer figure, since others' load inflates wall time."""
+
+    wall_s: float
+    cpu_s: float
+
+
+class _Stopwatch:
+    def __init__(self) -> None:
+        self._wall_s = time.perf_counter()
+        self._cpu_s = time.process_time()
+
+    def stop(self) -> Timing:
+        return Timing(time.perf_counter() - self._wall_s, time.process_time() - self._cpu_s)
+
+
 def make_workload(num_requests: int, max_prompt_len: int, max_output_len: int, vocab: int):
     rng = random.Random(0)
     prompts = [
@@ -58,9 +76,9 @@ def make_workload(num_requests: int, max_prompt_len: int, max_output_len: int, v
     return Workload(prompts, output_lens)
 
 
-def run_hf_static(model, workload: Workload, batch_size: int) -> float:
+def run_hf_static(model, workload: Workload, batch_size: int) -> Timing:
     """Static batches in arrival order; a batch decodes until its longest request ends."""
-    started_s = time.perf_counter()
+    stopwatch = _Stopwatch()
     for i in range(0, len(workload.prompts), batch_size):
         prompts = workload.prompts[i : i + batch_size]
         longest = max(map(len, prompts))
@@ -73,10 +91,10 @@ def run_hf_static(model, workload: Workload, batch_size: int) -> float:
             )
         if out.shape[1] != longest + max_new:
             raise RuntimeError("transformers stopped early; eos was not disabled")
-    return time.perf_counter() - started_s
+    return stopwatch.stop()
 
 
-def run_hf_continuous(model, workload: Workload, num_blocks: int, max_batch_tokens: int):
+def run_hf_continuous(model, workload: Workload, num_blocks: int, max_batch_tokens: int) -> Timing:
     config = transformers.ContinuousBatchingConfig(
         num_blocks=num_blocks, max_batch_tokens=max_batch_tokens, block_size=BLOCK_SIZE
     )
@@ -86,7 +104,7 @@ def run_hf_continuous(model, workload: Workload, num_blocks: int, max_batch_toke
     manager = model.init_continuous_batching(
         generation_config=generation_config, continuous_batching_config=config
     )
-    started_s = time.perf_counter()
+    stopwatch = _Stopwatch()
     manager.start()
     try:
         ids = [
@@ -105,13 +123,13 @@ def run_hf_continuous(model, workload: Workload, num_blocks: int, max_batch_toke
         num_tokens = sum(generated.values())
     finally:
         manager.stop(block=True)
-    elapsed_s = time.perf_counter() - started_s
+    timing = stopwatch.stop()
     if num_tokens != workload.num_output_tokens:
         raise RuntimeError(f"transformers CB generated {num_tokens} tokens, not the workload's")
-    return elapsed_s
+    return timing
 
 
-def run_engine(checkpoint: Path, workload: Workload, args) -> tuple[float, LLM]:
+def run_engine(checkpoint: Path, workload: Workload, args) -> tuple[Timing, LLM]:
     llm = LLM(
         str(checkpoint),
         device="cpu",
@@ -124,12 +142,12 @@ def run_engine(checkpoint: Path, workload: Workload, args) -> tuple[float, LLM]:
     params = [
         SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in workload.output_lens
     ]
-    started_s = time.perf_counter()
+    stopwatch = _Stopwatch()
     outputs = llm.generate(workload.prompts, params)
-    elapsed_s = time.perf_counter() - started_s
+    timing = stopwatch.stop()
     if sum(o.num_output_tokens for o in outputs) != workload.num_output_tokens:
         raise RuntimeError("the engine did not generate the workload's tokens")
-    return elapsed_s, llm
+    return timing, llm
 
 
 def _kv_bytes_per_token() -> int:
@@ -224,9 +242,9 @@ def main() -> None:
             f"{torch.get_num_threads()}, batch {args.max_num_seqs}, "
             f"step budget {args.max_batched_tokens} tokens, KV {args.kv_blocks} blocks"
         )
-        results: dict[str, float] = {}
-        engine_s, llm = run_engine(checkpoint, workload, args)
-        results["(c) tiergate engine"] = engine_s
+        results: dict[str, Timing] = {}
+        engine_timing, llm = run_engine(checkpoint, workload, args)
+        results["(c) tiergate engine"] = engine_timing
         stats = llm.engine.stats()
         del llm
         results["(a) transformers generate, static batches"] = run_hf_static(
@@ -236,11 +254,18 @@ def main() -> None:
             results["(b) transformers continuous batching"] = run_hf_continuous(
                 hf, workload, args.kv_blocks, args.max_batched_tokens
             )
-        for name, seconds in sorted(results.items()):
-            print(f"{name:45s} {seconds:8.2f} s {total / seconds:9.1f} generated tokens/s")
-        for name, seconds in sorted(results.items()):
+        print(f"{'':45s} {'wall s':>8s} {'tokens/s':>9s} {'CPU s':>8s} {'tokens/CPU s':>12s}")
+        for name, t in sorted(results.items()):
+            print(
+                f"{name:45s} {t.wall_s:8.2f} {total / t.wall_s:9.1f} "
+                f"{t.cpu_s:8.2f} {total / t.cpu_s:12.1f}"
+            )
+        for name, t in sorted(results.items()):
             if not name.startswith("(c)"):
-                print(f"ratio (c) / {name[:3]}: {seconds / engine_s:.2f}x")
+                print(
+                    f"ratio (c) / {name[:3]}: {t.wall_s / engine_timing.wall_s:.2f}x wall, "
+                    f"{t.cpu_s / engine_timing.cpu_s:.2f}x CPU time"
+                )
         print(f"engine: {stats.num_steps} steps, {stats.num_preemptions} preemptions")
 
         long_len = 2000
