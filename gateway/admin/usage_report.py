@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import Select, case, func, literal_column, select, union_all
+from sqlalchemy import BigInteger, Select, case, cast, func, literal, select, text, union_all
 from sqlalchemy.ext.asyncio import async_sessionmaker
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -31,6 +31,7 @@ from gateway.db.models import Tier, UsageHourly, UsageRow
 from gateway.usage import ROLLUP_COUNTS, hour_of
 
 GROUPINGS = {"hour": timedelta(hours=1), "day": timedelta(days=1)}
+_WORK_MEM = "64MB"
 _SQLITE_FORMATS = {"hour": "%Y-%m-%d %H:00:00", "day": "%Y-%m-%d 00:00:00"}
 
 
@@ -45,7 +46,7 @@ class UsageQuery:
     tier: str | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class UsageLine:
     """One (period, tenant, tier) of the report."""
 
@@ -96,44 +97,36 @@ def _filtered(statement: Select, tenant_id: ColumnElement, tier: ColumnElement, 
 
 
 def _from_records(dialect: str, query: UsageQuery, start: datetime, end: datetime) -> Select:
-    """Sums over usage_records in [start, end), per period, tenant and tier."""
+    """The usage_records rows in [start, end) as counts, one row each."""
     u = UsageRow
     refused = u.outcome.like("rejected:%")
 
-    def total_if(condition: ColumnElement, value: ColumnElement | int = 1) -> ColumnElement:
-        return func.sum(case((condition, value), else_=0))
+    def one_if(condition: ColumnElement, value: ColumnElement | int = 1) -> ColumnElement:
+        return case((condition, value), else_=0)
 
-    statement = (
-        select(
-            _period(dialect, query.group_by, u.created_at).label("period"),
-            u.tenant_id,
-            u.tier,
-            func.count().label("requests"),
-            total_if(refused).label("refusals"),
-            total_if(u.outcome == "aborted").label("aborted"),
-            total_if(~refused, u.prompt_tokens).label("input_tokens"),
-            total_if(~refused, u.completion_tokens).label("output_tokens"),
-            total_if(u.slo_met).label("slo_met"),
-        )
-        .where(u.created_at >= start, u.created_at < end)
-        .group_by(literal_column("period"), u.tenant_id, u.tier)
-    )
+    statement = select(
+        _period(dialect, query.group_by, u.created_at).label("period"),
+        u.tenant_id,
+        u.tier,
+        literal(1, BigInteger).label("requests"),
+        one_if(refused).label("refusals"),
+        one_if(u.outcome == "aborted").label("aborted"),
+        one_if(~refused, u.prompt_tokens).label("input_tokens"),
+        one_if(~refused, u.completion_tokens).label("output_tokens"),
+        one_if(u.slo_met).label("slo_met"),
+    ).where(u.created_at >= start, u.created_at < end)
     return _filtered(statement, u.tenant_id, u.tier, query)
 
 
 def _from_rollup(dialect: str, query: UsageQuery, start: datetime, end: datetime) -> Select:
-    """Sums over usage_hourly for the whole hours in [start, end)."""
+    """The usage_hourly rows of the whole hours in [start, end)."""
     h = UsageHourly
-    statement = (
-        select(
-            _period(dialect, query.group_by, h.hour).label("period"),
-            h.tenant_id,
-            h.tier,
-            *(func.sum(h.__table__.c[name]).label(name) for name in ROLLUP_COUNTS),
-        )
-        .where(h.hour >= start, h.hour < end)
-        .group_by(literal_column("period"), h.tenant_id, h.tier)
-    )
+    statement = select(
+        _period(dialect, query.group_by, h.hour).label("period"),
+        h.tenant_id,
+        h.tier,
+        *(h.__table__.c[name] for name in ROLLUP_COUNTS),
+    ).where(h.hour >= start, h.hour < end)
     return _filtered(statement, h.tenant_id, h.tier, query)
 
 
@@ -159,30 +152,44 @@ def _parts(dialect: str, query: UsageQuery, *, is_rollup_used: bool) -> list[Sel
     return parts
 
 
+def report_statement(dialect: str, query: UsageQuery, *, is_rollup_used: bool = True) -> Select:
+    """The report's one SELECT for `dialect` ("sqlite" or "postgresql")."""
+    parts = _parts(dialect, query, is_rollup_used=is_rollup_used)
+    # One aggregation over the rollup rows and the edge records together (summing each
+    # part first and then the sums would sort the rollup rows twice).
+    sums = (parts[0] if len(parts) == 1 else union_all(*parts)).subquery("sums")
+    t = Tier
+    return (
+        select(
+            sums.c.period,
+            sums.c.tenant_id,
+            sums.c.tier,
+            # BIGINT, not PostgreSQL's NUMERIC for a sum of BIGINT (slow to decode).
+            *(cast(func.sum(sums.c[name]), BigInteger).label(name) for name in ROLLUP_COUNTS),
+            func.max(func.coalesce(t.price_input_per_mtok, 0.0)).label("price_in"),
+            func.max(func.coalesce(t.price_output_per_mtok, 0.0)).label("price_out"),
+        )
+        .select_from(sums)
+        .outerjoin(t, t.name == sums.c.tier)
+        .group_by(sums.c.period, sums.c.tenant_id, sums.c.tier)
+        .order_by(sums.c.period, sums.c.tenant_id, sums.c.tier)
+    )
+
+
 async def _report(
     sessionmaker: async_sessionmaker, query: UsageQuery, *, is_rollup_used: bool
 ) -> list[UsageLine]:
     async with sessionmaker() as session:
-        dialect = session.bind.dialect.name
-        parts = _parts(dialect, query, is_rollup_used=is_rollup_used)
-        sums = (parts[0] if len(parts) == 1 else union_all(*parts)).subquery("sums")
-        t = Tier
-        statement = (
-            select(
-                sums.c.period,
-                sums.c.tenant_id,
-                sums.c.tier,
-                *(func.sum(sums.c[name]).label(name) for name in ROLLUP_COUNTS),
-                func.max(func.coalesce(t.price_input_per_mtok, 0.0)).label("price_in"),
-                func.max(func.coalesce(t.price_output_per_mtok, 0.0)).label("price_out"),
-            )
-            .select_from(sums)
-            .outerjoin(t, t.name == sums.c.tier)
-            .group_by(sums.c.period, sums.c.tenant_id, sums.c.tier)
-            .order_by(sums.c.period, sums.c.tenant_id, sums.c.tier)
-        )
-        rows = (await session.execute(statement)).all()
-    return [_line(row) for row in rows]
+        # Core rows, not the ORM's: a year by hour is hundreds of thousands of lines.
+        connection = await session.connection()
+        dialect = connection.dialect.name
+        if dialect == "postgresql":
+            # Room to hash-aggregate in memory; the default 4 MB makes PostgreSQL sort
+            # the rollup rows on disk. LOCAL: for this read-only transaction only.
+            await connection.execute(text(f"SET LOCAL work_mem = '{_WORK_MEM}'"))
+        statement = report_statement(dialect, query, is_rollup_used=is_rollup_used)
+        rows = (await connection.execute(statement)).all()
+    return [_line(*row) for row in rows]
 
 
 async def usage_report(sessionmaker: async_sessionmaker, query: UsageQuery) -> list[UsageLine]:
@@ -198,21 +205,32 @@ async def usage_report_from_records(
     return await _report(sessionmaker, query, is_rollup_used=False)
 
 
-def _line(row) -> UsageLine:
-    period = row.period
+def _line(
+    period: datetime | str,
+    tenant_id: str,
+    tier: str,
+    requests: int,
+    refusals: int | None,
+    aborted: int | None,
+    input_tokens: int | None,
+    output_tokens: int | None,
+    slo_met: int | None,
+    price_in: float,
+    price_out: float,
+) -> UsageLine:
     if isinstance(period, str):
         period = datetime.fromisoformat(period)
     period = period.replace(tzinfo=UTC) if period.tzinfo is None else period.astimezone(UTC)
-    input_tokens, output_tokens = int(row.input_tokens or 0), int(row.output_tokens or 0)
+    input_tokens, output_tokens = int(input_tokens or 0), int(output_tokens or 0)
     return UsageLine(
         period_start=period,
-        tenant_id=row.tenant_id,
-        tier=row.tier,
-        requests=int(row.requests),
-        refusals=int(row.refusals or 0),
-        aborted=int(row.aborted or 0),
+        tenant_id=tenant_id,
+        tier=tier,
+        requests=int(requests),
+        refusals=int(refusals or 0),
+        aborted=int(aborted or 0),
         input_tokens=input_tokens,
         output_tokens=output_tokens,
-        slo_met=int(row.slo_met or 0),
-        cost=(input_tokens * row.price_in + output_tokens * row.price_out) / 1_000_000,
+        slo_met=int(slo_met or 0),
+        cost=(input_tokens * price_in + output_tokens * price_out) / 1_000_000,
     )
