@@ -23,6 +23,16 @@ from scheduler.sim.cost_model import RooflineParams
 _PROMPTS: dict[int, tuple[int, ...]] = {}
 
 
+# The real engine's smoothing of its measured rates (engine/llm_engine.py).
+_RATE_SMOOTHING = 0.1
+
+
+def _smooth(previous: float, sample: float) -> float:
+    if previous == 0.0:
+        return sample
+    return (1 - _RATE_SMOOTHING) * previous + _RATE_SMOOTHING * sample
+
+
 def _prompt(num_tokens: int) -> list[int]:
     tokens = _PROMPTS.get(num_tokens)
     if tokens is None:
@@ -101,6 +111,19 @@ class SimEngine:
         # Highest computed position per request: tokens below it run again after a
         # preemption and count as recomputed.
         self._high_water: dict[str, int] = {}
+        # Measured rates, smoothed as the real engine smooths them; the fleet publishes
+        # them to the queue, where admission reads the fleet's capacity.
+        self.prefill_tokens_per_s = 0.0
+        self.decode_tokens_per_s = 0.0
+
+    def _record_rates(self, num_prefill: int, num_decode: int, step_s: float) -> None:
+        # The engine's rule: a mixed step counts for the phase with more tokens.
+        if step_s <= 0:
+            return
+        if num_prefill > num_decode:
+            self.prefill_tokens_per_s = _smooth(self.prefill_tokens_per_s, num_prefill / step_s)
+        elif num_prefill == 0:
+            self.decode_tokens_per_s = _smooth(self.decode_tokens_per_s, num_decode / step_s)
 
     def can_accept(self, rank: int | None = None) -> bool:
         return self.scheduler.can_accept(rank if self.mode.use_ranks else None)
@@ -154,6 +177,8 @@ class SimEngine:
         duration_s = self.params.step_time_s(plan.num_batched_tokens, num_kv, pairs)
         if self.cost_model is not None:
             self.cost_model.observe(plan.num_batched_tokens, len(plan.chunks), duration_s)
+        num_decode = sum(1 for chunk in plan.chunks if chunk.is_decode)
+        self._record_rates(plan.num_batched_tokens - num_decode, num_decode, duration_s)
         self._plan = plan
         self.is_stepping = True
         self.num_steps += 1
@@ -265,6 +290,7 @@ class SimEngine:
         for offset in offsets[:num_steps]:
             if model is not None:
                 model.observe(n, n, offset - previous)
+            self._record_rates(0, n, offset - previous)
             previous = offset
         self.num_steps += num_steps
         self.busy_s += offsets[num_steps - 1]

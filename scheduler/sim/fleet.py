@@ -21,14 +21,7 @@ from engine.request import SamplingParams
 from scheduler.backend import QueueFullError
 from scheduler.job import Job
 from scheduler.policy import TierConfig
-from scheduler.sim.admission import (
-    INVALID_REQUEST,
-    QUEUE_FULL,
-    QUEUE_TIMEOUT,
-    DrainRate,
-    admit,
-    predicted_wait_s,
-)
+from scheduler.sim.admission import INVALID_REQUEST, QUEUE_FULL, QUEUE_TIMEOUT
 from scheduler.sim.baselines import FcfsQueue, FleetQueue, PriorityQueue, VtcQueue
 from scheduler.sim.cost_model import RooflineParams
 from scheduler.sim.engine import EngineMode, SimEngine
@@ -43,6 +36,9 @@ from scheduler.sim.tiered import TieredQueue
 from scheduler.sim.workload import SimRequest, TierSpec, WorkloadSpec, iter_requests
 
 POLICIES = ("fcfs", "priority", "vtc", "tiered")
+# What a worker reports before it has measured anything (the dispatcher's defaults).
+DEFAULT_PREFILL_TOKENS_PER_S = 2_000.0
+DEFAULT_DECODE_TOKENS_PER_S = 200.0
 
 
 class SimulationError(ValueError):
@@ -116,7 +112,6 @@ class SimOptions:
     sample_interval_s: float = 1.0
     fairness_window_s: tuple[float, float] | None = None
     keep_records: bool = False
-    admission_headroom: float = 0.7
     # Output tokens of the charges a worker batches before telling the queue (the real
     # worker charges as it publishes; batching bounds the cost of simulating that).
     charge_interval_s: float = 0.0
@@ -189,7 +184,6 @@ def simulate(
     wall_start = time.perf_counter()
     clock = [0.0]
     queue = make_queue(policy, workload.tiers, clock)
-    tier_slo = {t.name: t.ttft_slo_ms for t in workload.tiers}
     engines = [
         SimEngine(f"engine-{i}", fleet.params, spec.mode, clock, max_model_len=fleet.max_model_len)
         for i in range(fleet.num_engines)
@@ -199,7 +193,6 @@ def simulate(
     served: dict[str, float] = {}
     queued: dict[str, RequestRecord] = {}
     inflight: dict[str, _InFlight] = {}
-    drain = DrainRate()
     # (end time, version, engine index); an entry whose version is not the engine's
     # current one was superseded (a decode run cut short) and is skipped.
     steps: list[tuple[float, int, int]] = []
@@ -244,8 +237,19 @@ def simulate(
             served[req.tenant_id] = served.get(req.tenant_id, 0.0) + (
                 input_weight * req.num_prompt_tokens
             )
-            drain.add(now_s, req.num_prompt_tokens)
         take_drops(now_s)
+
+    # Capacity reports outlive a few sample intervals, as a worker's outlive heartbeats.
+    capacity_ttl_ms = int(3 * options.sample_interval_s * 1000)
+
+    def publish_capacity(tiered: TieredQueue) -> None:
+        for engine in engines:
+            tiered.publish_capacity(
+                engine.engine_id,
+                engine.prefill_tokens_per_s or DEFAULT_PREFILL_TOKENS_PER_S,
+                engine.decode_tokens_per_s or DEFAULT_DECODE_TOKENS_PER_S,
+                capacity_ttl_ms,
+            )
 
     def take_drops(now_s: float) -> None:
         for job_id in queue.take_dropped(now_s):
@@ -343,6 +347,8 @@ def simulate(
             break
         clock[0] = now_s
         if now_s == next_sample_s:
+            if isinstance(queue, TieredQueue):
+                publish_capacity(queue)
             take_drops(now_s)
             trace.sample(now_s, served, queue.backlogged_tenants())
             next_sample_s += options.sample_interval_s
@@ -364,9 +370,7 @@ def simulate(
             record = RequestRecord(req)
             job = _job(req)
             if spec.uses_admission and isinstance(queue, TieredQueue):
-                ahead = queue.prefill_tokens_ahead(job)
-                wait_s = predicted_wait_s(ahead, drain.tokens_per_s(now_s))
-                code = admit(tier_slo.get(req.tier), wait_s, headroom=options.admission_headroom)
+                code = queue.admit(job)
                 if code is not None:
                     collector.refused(record, code)
                     continue

@@ -12,12 +12,16 @@ import heapq
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
+from scheduler.admission import NoCapacityError, SloUnattainableError, check_slo
 from scheduler.backend import JobStatus
 from scheduler.job import Job
 from scheduler.memory_backend import MemoryBackend
 from scheduler.policy import PolicyConfig, TierConfig
 
 T = TypeVar("T")
+
+SLO_UNATTAINABLE = "slo_unattainable"
+NO_CAPACITY = "no_capacity"
 
 # Long enough that no lease expires inside a simulation: simulated workers never die.
 _LEASE_MS = 10 * 24 * 3600 * 1000
@@ -52,6 +56,7 @@ class TieredQueue:
             clock_ms=lambda: int(clock[0] * 1000),
             finished_ttl_ms=1,
         )
+        self._tiers = {t.name: t for t in tiers}
         self._expiries: list[tuple[float, str]] = []
         self._queued: dict[str, Job] = {}
         self._backlog: dict[str, int] = {}
@@ -110,9 +115,29 @@ class TieredQueue:
     def backlogged_tenants(self) -> set[str]:
         return set(self._backlog)
 
-    def prefill_tokens_ahead(self, job: Job) -> float:
-        """Prompt tokens the policy would serve before this (not yet queued) job."""
-        ahead = run_now(
-            self.backend.work_ahead(job.tier, job.tenant_id, job.weight, job.num_prompt_tokens)
+    def admit(self, job: Job) -> str | None:
+        """The gateway's SLO admission (scheduler/admission.py) against this queue: None
+        to admit, or the refusal code."""
+        tier = self._tiers.get(job.tier)
+        if tier is None:
+            return None  # enqueue raises UnknownTierError
+        try:
+            run_now(check_slo(self.backend, job, tier))
+        except SloUnattainableError:
+            return SLO_UNATTAINABLE
+        except NoCapacityError:
+            return NO_CAPACITY
+        return None
+
+    def publish_capacity(
+        self, worker_id: str, prefill_tokens_per_s: float, decode_tokens_per_s: float, ttl_ms: int
+    ) -> None:
+        """A simulated worker's measured rates, as its dispatcher publishes them."""
+        run_now(
+            self.backend.publish_capacity(
+                worker_id,
+                prefill_tokens_per_s=prefill_tokens_per_s,
+                decode_tokens_per_s=decode_tokens_per_s,
+                ttl_ms=ttl_ms,
+            )
         )
-        return float(ahead.num_prefill_tokens)

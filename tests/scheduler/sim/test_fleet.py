@@ -118,3 +118,17 @@ def test_fast_forward_on_a_fleet_keeps_the_numbers() -> None:
         assert fast.ttft_p50_ms == pytest.approx(exact.ttft_p50_ms, rel=0.2)
         assert fast.tpot_p50_ms == pytest.approx(exact.tpot_p50_ms, rel=0.05)
     assert stats[1].output_tokens_per_s == pytest.approx(stats[0].output_tokens_per_s, rel=0.01)
+
+
+def test_real_admission_refuses_interactive_overload_and_keeps_admitted_within_slo() -> None:
+    # Priority + interactive at about 1.7x what the engine serves, no batch to absorb it:
+    # the gateway's SLO admission must refuse, and what it admits must meet its SLO.
+    spec = three_tier_mix(50, 10, seed=6, tier_load_shares=(0.2, 0.8, 0.0))
+    options = SimOptions(drain_s=30, fast_forward=True)
+    stats = simulate(spec, "tiered", FleetSpec(H200, 1), options).stats
+    interactive = stats.tiers["interactive"]
+    assert interactive.rejections.get("slo_unattainable", 0) > 0
+    assert interactive.admitted_attainment > 0.9
+    assert stats.tiers["priority"].admitted_attainment > 0.99
+    fcfs = simulate(spec, "fcfs", FleetSpec(H200, 1), options).stats
+    assert fcfs.tiers["interactive"].admitted_attainment < 0.6
