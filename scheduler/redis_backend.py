@@ -183,7 +183,7 @@ class RedisBackend:
     # -- queue -------------------------------------------------------------------------
 
     async def enqueue(self, job: Job) -> None:
-        (outcome,) = await self._run("enqueue", self._clock_ms(), *_enqueue_fields(job))
+        outcome = await self._run("enqueue", self._clock_ms(), *_enqueue_fields(job))
         if outcome == "unknown_tier":
             raise UnknownTierError(job.tier)
         if outcome == "duplicate":
@@ -209,7 +209,7 @@ class RedisBackend:
                         args.extend(_enqueue_fields(job))
                     await self._scripts["enqueue"](keys=[], args=args, client=pipe)
                 replies = await pipe.execute()
-        return [outcome for reply in replies for outcome in reply]
+        return [outcome for reply in replies for outcome in reply.split(" ")]
 
     async def dispatch(self, worker_id: str, lease_ms: int) -> Job | None:
         leased = await self._run("dispatch", *self._dispatch_args(worker_id, lease_ms, 1))

@@ -98,14 +98,14 @@ local function dispatch_one()
   local is_active = unqueue(id, tier, tenant, pin, tonumber(h[4]), h[9], h[10], popped)
   if not counter then counter = redis.call('HGET', K.vtc .. tier, tenant) end
   floors[tier] = counter
-  if h[6] == '0' then
+  if h[6] ~= '1' then  -- 'chg': absent until the first lease charges the prompt
     charge(tier, tenant, tonumber(h[5]), pin, 0, in_w, out_w, now, bucket_ms, counter, is_active)
   end
   local lease_until = now + lease_ms
   redis.call('HSET', key, 'st', 'leased', 'wk', worker, 'lu', lease_until, 'chg', 1,
-    'att', tonumber(h[11]) + 1)
+    'att', (tonumber(h[11]) or 0) + 1)
   redis.call('ZADD', K.leases, lease_until, id)
-  return string.format('%d', rank_of(tiers, tier)) .. '|' .. h[8] .. '|' .. h[7]
+  return string.format('%d', rank_of(tiers, tier)) .. '|' .. (h[8] or '') .. '|' .. h[7]
 end
 
 local leased = {}

@@ -6,7 +6,8 @@
 --       reads in one tab-separated string (fewer arguments cost the client less):
 --       tier, weight, prompt tokens, max_tokens, deadline ms or '', expire-at ms or '',
 --       tenant (last, so it may hold any character)
--- Returns: per job 'ok', 'unknown_tier', 'duplicate' or 'queue_full'.
+-- Returns: the jobs' outcomes in order, space-separated, each 'ok', 'unknown_tier',
+--          'duplicate' or 'queue_full' (one string parses faster than an array).
 local policies = {}  -- tier -> {max_queued} or false, read once per call
 -- Arrival numbers: the first from INCR, the rest counted here and added at the end.
 local seq, first_seq = nil, nil
@@ -40,9 +41,9 @@ local function enqueue_one(id, json, fields)
     seq = redis.call('INCR', K.seq)
     first_seq = seq
   end
+  -- Fields a lease writes later ('chg', 'att', 'res', 'wk', 'lu') start out absent.
   redis.call('HSET', K.job .. id, 'tier', tier, 'tenant', tenant, 'w', weight, 'pin', pin,
-    'dec', dec, 'seq', seq, 'dl', dl, 'ex', ex, 'chg', 0, 'att', 0, 'res', '', 'wk', '',
-    'lu', 0, 'st', 'queued')
+    'dec', dec, 'seq', seq, 'dl', dl, 'ex', ex, 'st', 'queued')
   redis.call('HSET', K.weights .. tier, tenant, weight)
   push(id, tier, tenant, seq, tonumber(pin), tonumber(dec), dl)
   if ex ~= '' then redis.call('ZADD', K.expiries, ex, id) end
@@ -54,4 +55,4 @@ for a = 3, #ARGV, 3 do
 end
 if seq and seq > first_seq then redis.call('INCRBY', K.seq, seq - first_seq) end
 for tier, n in pairs(depth_pending) do redis.call('HINCRBY', K.depth, tier, n) end
-return outcomes
+return table.concat(outcomes, ' ')
