@@ -13,7 +13,7 @@ import bisect
 import heapq
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
@@ -36,6 +36,9 @@ from scheduler.sim.tiered import TieredQueue
 from scheduler.sim.workload import SimRequest, TierSpec, WorkloadSpec, iter_requests
 
 POLICIES = ("fcfs", "priority", "vtc", "tiered")
+# What the queue's fair share counts (PolicyConfig's token weights), for the trace.
+INPUT_TOKEN_WEIGHT = 1.0
+OUTPUT_TOKEN_WEIGHT = 2.0
 # What a worker reports before it has measured anything (the dispatcher's defaults).
 DEFAULT_PREFILL_TOKENS_PER_S = 2_000.0
 DEFAULT_DECODE_TOKENS_PER_S = 200.0
@@ -169,51 +172,123 @@ def _job(req: SimRequest) -> Job:
     )
 
 
-def simulate(
-    workload: WorkloadSpec,
-    policy: str,
-    fleet: FleetSpec,
-    options: SimOptions | None = None,
-    *,
-    requests: Iterable[SimRequest] | None = None,
-    on_progress: Callable[[float], None] | None = None,
-) -> SimResult:
-    """Run one policy on one workload; `requests` overrides the generated arrivals."""
-    options = options or SimOptions()
-    spec = policy_spec(policy)
-    wall_start = time.perf_counter()
-    clock = [0.0]
-    queue = make_queue(policy, workload.tiers, clock)
-    engines = [
-        SimEngine(f"engine-{i}", fleet.params, spec.mode, clock, max_model_len=fleet.max_model_len)
-        for i in range(fleet.num_engines)
-    ]
-    collector = Collector(keep_records=options.keep_records)
-    trace = ServiceTrace()
-    served: dict[str, float] = {}
-    queued: dict[str, RequestRecord] = {}
-    inflight: dict[str, _InFlight] = {}
-    # (end time, version, engine index); an entry whose version is not the engine's
-    # current one was superseded (a decode run cut short) and is skipped.
-    steps: list[tuple[float, int, int]] = []
-    versions = [0] * len(engines)
-    runs: dict[int, _DecodeRun] = {}  # engines inside a fast-forwarded decode run
-    cut: set[int] = set()  # runs already cut short to take a queued job
-    idle = list(range(len(engines) - 1, -1, -1))  # a stack; engine 0 is woken first
-    end_s = workload.duration_s + options.drain_s
-    next_sample_s = 0.0
-    arrivals = iter(requests) if requests is not None else iter_requests(workload)
-    upcoming = next(arrivals, None)
-    # What the queue's fair share counts: weighted input + output tokens (see policy).
-    input_weight, output_weight = 1.0, 2.0
-    window_tokens = [0]  # generated while requests still arrive (the throughput figure)
+class _Fleet:
+    """The state of one simulation and one method per kind of event."""
 
-    def pull(engine: SimEngine, now_s: float) -> None:
+    def __init__(
+        self, workload: WorkloadSpec, policy: str, fleet: FleetSpec, options: SimOptions
+    ) -> None:
+        self.workload = workload
+        self.options = options
+        self.spec = policy_spec(policy)
+        self.clock = [0.0]  # one shared cell: engines and the queue read it
+        self.queue = make_queue(policy, workload.tiers, self.clock)
+        self.engines = [
+            SimEngine(
+                f"engine-{i}",
+                fleet.params,
+                self.spec.mode,
+                self.clock,
+                max_model_len=fleet.max_model_len,
+            )
+            for i in range(fleet.num_engines)
+        ]
+        self.collector = Collector(keep_records=options.keep_records)
+        self.trace = ServiceTrace()
+        self.served: dict[str, float] = {}  # fair-share tokens served per tenant
+        self.queued: dict[str, RequestRecord] = {}
+        self.inflight: dict[str, _InFlight] = {}
+        # (end time, version, engine index); an entry whose version is not the engine's
+        # current one was superseded (a decode run cut short) and is skipped.
+        self.steps: list[tuple[float, int, int]] = []
+        self.versions = [0] * len(self.engines)
+        self.runs: dict[int, _DecodeRun] = {}  # engines inside a fast-forwarded decode run
+        self.cut: set[int] = set()  # runs already cut short to take a queued job
+        self.idle = list(range(len(self.engines) - 1, -1, -1))  # a stack; engine 0 first
+        self.window_tokens = 0  # generated while requests still arrive (throughput)
+        # Capacity reports outlive a few sample intervals, as a worker's outlive heartbeats.
+        self.capacity_ttl_ms = int(3 * options.sample_interval_s * 1000)
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def run(
+        self, arrivals: Iterator[SimRequest], on_progress: Callable[[float], None] | None
+    ) -> None:
+        options = self.options
+        end_s = self.workload.duration_s + options.drain_s
+        next_sample_s = 0.0
+        next_flush_s = options.charge_interval_s if options.charge_interval_s > 0 else math.inf
+        upcoming = next(arrivals, None)
+        steps = self.steps
+        while True:
+            t_arrival = upcoming.arrival_s if upcoming is not None else math.inf
+            t_step = steps[0][0] if steps else math.inf
+            now_s = min(t_arrival, t_step, next_sample_s, next_flush_s)
+            if now_s > end_s or (upcoming is None and not steps and not len(self.queue)):
+                return
+            self.clock[0] = now_s
+            if now_s == next_sample_s:
+                self.sample(now_s)
+                next_sample_s += options.sample_interval_s
+                if on_progress is not None:
+                    on_progress(now_s)
+            elif now_s == next_flush_s:
+                self.flush_charges(now_s)
+                next_flush_s += options.charge_interval_s
+            elif now_s == t_step:
+                _, version, index = heapq.heappop(steps)
+                if version == self.versions[index]:
+                    self.end_step(index, now_s)
+            elif upcoming is not None:
+                self.arrive(upcoming, now_s)
+                upcoming = next(arrivals, None)
+
+    # -- events --------------------------------------------------------------------------
+
+    def sample(self, now_s: float) -> None:
+        if isinstance(self.queue, TieredQueue):
+            for engine in self.engines:
+                self.queue.publish_capacity(
+                    engine.engine_id,
+                    engine.prefill_tokens_per_s or DEFAULT_PREFILL_TOKENS_PER_S,
+                    engine.decode_tokens_per_s or DEFAULT_DECODE_TOKENS_PER_S,
+                    self.capacity_ttl_ms,
+                )
+        self.take_drops(now_s)
+        self.trace.sample(now_s, self.served, self.queue.backlogged_tenants())
+
+    def arrive(self, req: SimRequest, now_s: float) -> None:
+        """Admission (the gateway), enqueue, then wake an idle engine or cut a run."""
+        self.collector.offered(req)
+        record = RequestRecord(req)
+        job = _job(req)
+        queue = self.queue
+        if self.spec.uses_admission and isinstance(queue, TieredQueue):
+            code = queue.admit(job)
+            if code is not None:
+                self.collector.refused(record, code)
+                return
+        try:
+            queue.push(job, now_s)
+        except QueueFullError:
+            self.collector.refused(record, QUEUE_FULL)
+            return
+        self.queued[req.request_id] = record
+        while self.idle and len(queue):
+            index = self.idle.pop()
+            self.pull(self.engines[index], now_s)
+            self.start(index, now_s)
+        if self.runs and len(queue) > len(self.cut):
+            self.cut_run(now_s)
+
+    def pull(self, engine: SimEngine, now_s: float) -> None:
+        """What a worker's dispatcher does: lease jobs while the engine has room."""
+        queue = self.queue
         while len(queue) and engine.can_accept():
             job = queue.pop(now_s)
             if job is None:
                 break
-            record = queued.pop(job.job_id)
+            record = self.queued.pop(job.job_id)
             record.dispatch_s = now_s
             req = record.request
             try:
@@ -231,53 +306,42 @@ def simulate(
             except InvalidRequestError:
                 # Longer than the model or the KV cache: the engine refuses it outright.
                 queue.complete(job, now_s)
-                collector.dropped(record, INVALID_REQUEST)
+                self.collector.dropped(record, INVALID_REQUEST)
                 continue
-            inflight[job.job_id] = _InFlight(record, job)
-            served[req.tenant_id] = served.get(req.tenant_id, 0.0) + (
-                input_weight * req.num_prompt_tokens
+            self.inflight[job.job_id] = _InFlight(record, job)
+            self.served[req.tenant_id] = (
+                self.served.get(req.tenant_id, 0.0) + INPUT_TOKEN_WEIGHT * req.num_prompt_tokens
             )
-        take_drops(now_s)
+        self.take_drops(now_s)
 
-    # Capacity reports outlive a few sample intervals, as a worker's outlive heartbeats.
-    capacity_ttl_ms = int(3 * options.sample_interval_s * 1000)
-
-    def publish_capacity(tiered: TieredQueue) -> None:
-        for engine in engines:
-            tiered.publish_capacity(
-                engine.engine_id,
-                engine.prefill_tokens_per_s or DEFAULT_PREFILL_TOKENS_PER_S,
-                engine.decode_tokens_per_s or DEFAULT_DECODE_TOKENS_PER_S,
-                capacity_ttl_ms,
-            )
-
-    def take_drops(now_s: float) -> None:
-        for job_id in queue.take_dropped(now_s):
-            record = queued.pop(job_id, None)
+    def take_drops(self, now_s: float) -> None:
+        for job_id in self.queue.take_dropped(now_s):
+            record = self.queued.pop(job_id, None)
             if record is not None:
-                collector.dropped(record, QUEUE_TIMEOUT)
+                self.collector.dropped(record, QUEUE_TIMEOUT)
 
-    def start(index: int, now_s: float) -> None:
-        engine = engines[index]
-        versions[index] += 1
-        if options.fast_forward:
+    def start(self, index: int, now_s: float) -> None:
+        """Plan the engine's next step (or decode run), or mark it idle."""
+        engine = self.engines[index]
+        self.versions[index] += 1
+        if self.options.fast_forward:
             offsets = engine.plan_decode_run()
             if offsets is not None:
-                runs[index] = _DecodeRun(now_s, offsets, len(offsets))
-                heapq.heappush(steps, (now_s + offsets[-1], versions[index], index))
+                self.runs[index] = _DecodeRun(now_s, offsets, len(offsets))
+                heapq.heappush(self.steps, (now_s + offsets[-1], self.versions[index], index))
                 return
         duration_s = engine.start_step()
         if duration_s is None:
-            idle.append(index)
+            self.idle.append(index)
         else:
-            heapq.heappush(steps, (now_s + duration_s, versions[index], index))
+            heapq.heappush(self.steps, (now_s + duration_s, self.versions[index], index))
 
-    def cut_run(now_s: float) -> None:
+    def cut_run(self, now_s: float) -> None:
         """A job is queued and no engine is idle: the decode run that reaches a step
         boundary first, on an engine with room, ends there so the engine pulls it."""
         best: tuple[float, int, int] | None = None
-        for index, run in runs.items():
-            if not engines[index].can_accept():
+        for index, run in self.runs.items():
+            if not self.engines[index].can_accept():
                 continue
             done = bisect.bisect_right(run.offsets, now_s - run.start_s, 0, run.num_steps)
             if done >= run.num_steps:
@@ -288,31 +352,34 @@ def simulate(
         if best is None:
             return
         end_s, index, num_steps = best
-        run = runs[index]
+        run = self.runs[index]
         if num_steps < run.num_steps:
             run.num_steps = num_steps
-            versions[index] += 1
-            heapq.heappush(steps, (end_s, versions[index], index))
-        cut.add(index)
+            self.versions[index] += 1
+            heapq.heappush(self.steps, (end_s, self.versions[index], index))
+        self.cut.add(index)
 
-    def end_step(index: int, now_s: float) -> None:
-        engine = engines[index]
-        run = runs.pop(index, None)
-        cut.discard(index)
+    def end_step(self, index: int, now_s: float) -> None:
+        """The step (or run) ran: record tokens and finishes, charge, pull, go on."""
+        engine = self.engines[index]
+        run = self.runs.pop(index, None)
+        self.cut.discard(index)
         if run is not None:
             outcome = engine.apply_decode_run(run.offsets, run.num_steps)
         else:
             outcome = engine.end_step()
+        inflight, collector, queue = self.inflight, self.collector, self.queue
         for request in outcome.first_tokens:
             inflight[request.request_id].record.first_token_s = now_s
+        charge_now = self.options.charge_interval_s <= 0
         num_tokens = 0
         for request, count in outcome.output_tokens:
             item = inflight[request.request_id]
             item.pending_output_tokens += count
             num_tokens += count
             tenant = item.record.request.tenant_id
-            served[tenant] = served.get(tenant, 0.0) + output_weight * count
-            if options.charge_interval_s <= 0:
+            self.served[tenant] = self.served.get(tenant, 0.0) + OUTPUT_TOKEN_WEIGHT * count
+            if charge_now:
                 queue.charge(item.job, item.pending_output_tokens, now_s)
                 item.pending_output_tokens = 0
         for request in outcome.preempted:
@@ -320,8 +387,8 @@ def simulate(
         collector.num_preemptions += len(outcome.preempted)
         collector.num_recomputed_tokens += outcome.num_recomputed_tokens
         collector.num_output_tokens += num_tokens
-        if now_s <= workload.duration_s:
-            window_tokens[0] += num_tokens
+        if now_s <= self.workload.duration_s:
+            self.window_tokens += num_tokens
         for request in outcome.finished:
             item = inflight.pop(request.request_id)
             if item.pending_output_tokens:
@@ -329,76 +396,46 @@ def simulate(
             item.record.finish_s = now_s
             queue.complete(item.job, now_s)
             collector.finished(item.record)
-        pull(engine, now_s)
-        start(index, now_s)
+        self.pull(engine, now_s)
+        self.start(index, now_s)
 
-    def flush_charges(now_s: float) -> None:
-        for item in inflight.values():
+    def flush_charges(self, now_s: float) -> None:
+        for item in self.inflight.values():
             if item.pending_output_tokens:
-                queue.charge(item.job, item.pending_output_tokens, now_s)
+                self.queue.charge(item.job, item.pending_output_tokens, now_s)
                 item.pending_output_tokens = 0
 
-    next_flush_s = options.charge_interval_s if options.charge_interval_s > 0 else math.inf
-    while True:
-        t_arrival = upcoming.arrival_s if upcoming is not None else math.inf
-        t_step = steps[0][0] if steps else math.inf
-        now_s = min(t_arrival, t_step, next_sample_s, next_flush_s)
-        if now_s > end_s or (upcoming is None and not steps and not len(queue)):
-            break
-        clock[0] = now_s
-        if now_s == next_sample_s:
-            if isinstance(queue, TieredQueue):
-                publish_capacity(queue)
-            take_drops(now_s)
-            trace.sample(now_s, served, queue.backlogged_tenants())
-            next_sample_s += options.sample_interval_s
-            if on_progress is not None:
-                on_progress(now_s)
-        elif now_s == next_flush_s:
-            flush_charges(now_s)
-            next_flush_s += options.charge_interval_s
-        elif now_s == t_step:
-            _, version, index = heapq.heappop(steps)
-            if version == versions[index]:
-                end_step(index, now_s)
-        else:
-            req = upcoming
-            if req is None:  # unreachable: t_arrival was the finite minimum
-                break
-            upcoming = next(arrivals, None)
-            collector.offered(req)
-            record = RequestRecord(req)
-            job = _job(req)
-            if spec.uses_admission and isinstance(queue, TieredQueue):
-                code = queue.admit(job)
-                if code is not None:
-                    collector.refused(record, code)
-                    continue
-            try:
-                queue.push(job, now_s)
-            except QueueFullError:
-                collector.refused(record, QUEUE_FULL)
-                continue
-            queued[req.request_id] = record
-            while idle and len(queue):
-                index = idle.pop()
-                pull(engines[index], now_s)
-                start(index, now_s)
-            if runs and len(queue) > len(cut):
-                cut_run(now_s)
+    def stats(self, wall_s: float) -> RunStats:
+        workload, collector = self.workload, self.collector
+        duration_s = workload.duration_s
+        window = self.options.fairness_window_s or (0.2 * duration_s, duration_s)
+        tenant_tier = {t.tenant_id: t.tier for t in workload.tenants}
+        tenant_weight = {t.tenant_id: t.weight for t in workload.tenants}
+        return RunStats(
+            duration_s=duration_s,
+            tiers={t: collector.tier_stats(t, duration_s) for t in collector.tiers()},
+            output_tokens_per_s=self.window_tokens / duration_s,
+            num_preemptions=collector.num_preemptions,
+            num_recomputed_tokens=collector.num_recomputed_tokens,
+            fairness=fairness_stats(self.trace, tenant_tier, tenant_weight, window),
+            num_steps=sum(e.num_steps for e in self.engines),
+            wall_s=wall_s,
+        )
 
-    duration_s = workload.duration_s
-    window = options.fairness_window_s or (0.2 * duration_s, duration_s)
-    tenant_tier = {t.tenant_id: t.tier for t in workload.tenants}
-    tenant_weight = {t.tenant_id: t.weight for t in workload.tenants}
-    stats = RunStats(
-        duration_s=duration_s,
-        tiers={t: collector.tier_stats(t, duration_s) for t in collector.tiers()},
-        output_tokens_per_s=window_tokens[0] / duration_s,
-        num_preemptions=collector.num_preemptions,
-        num_recomputed_tokens=collector.num_recomputed_tokens,
-        fairness=fairness_stats(trace, tenant_tier, tenant_weight, window),
-        num_steps=sum(e.num_steps for e in engines),
-        wall_s=time.perf_counter() - wall_start,
-    )
-    return SimResult(policy, stats, collector, trace, engines)
+
+def simulate(
+    workload: WorkloadSpec,
+    policy: str,
+    fleet: FleetSpec,
+    options: SimOptions | None = None,
+    *,
+    requests: Iterable[SimRequest] | None = None,
+    on_progress: Callable[[float], None] | None = None,
+) -> SimResult:
+    """Run one policy on one workload; `requests` overrides the generated arrivals."""
+    wall_start = time.perf_counter()
+    state = _Fleet(workload, policy, fleet, options or SimOptions())
+    arrivals = iter(requests) if requests is not None else iter_requests(workload)
+    state.run(arrivals, on_progress)
+    stats = state.stats(time.perf_counter() - wall_start)
+    return SimResult(policy, stats, state.collector, state.trace, state.engines)
