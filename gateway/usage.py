@@ -18,10 +18,25 @@ import contextlib
 import logging
 from collections import deque
 from dataclasses import asdict, dataclass, replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Insert, insert, select
+from sqlalchemy import (
+    ColumnElement,
+    Insert,
+    and_,
+    case,
+    delete,
+    false,
+    func,
+    insert,
+    literal_column,
+    or_,
+    select,
+    text,
+    true,
+    update,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -147,6 +162,81 @@ async def write_usage(session: AsyncSession, records: list[UsageRecord]) -> None
     ]
     await session.execute(insert(UsageRow), rows)
     await session.execute(_rollup_upsert(session.bind.dialect.name), hourly_sums(rows))
+
+
+def _slo_met_sql() -> ColumnElement[bool]:
+    """is_record_slo_met in SQL against the tiers as they are now (migration 0005 holds
+    its own copy: a migration never changes with the code)."""
+    u, t = UsageRow.__table__.c, Tier.__table__.c
+
+    def tier_slo(column: Any) -> Any:
+        return select(column).where(t.name == u.tier).scalar_subquery()
+
+    ttft_slo, tpot_slo = tier_slo(t.ttft_slo_ms), tier_slo(t.tpot_slo_ms)
+    decode_ms = u.e2e_ms - u.ttft_ms
+    # NULLIF: SQL does not promise to stop at `completion_tokens < 2` before dividing.
+    tpot = case((decode_ms < 0, 0.0), else_=decode_ms) / func.nullif(u.completion_tokens - 1, 0)
+    met = and_(
+        u.outcome == "ok",
+        or_(ttft_slo.is_(None), and_(u.ttft_ms.is_not(None), u.ttft_ms <= ttft_slo)),
+        or_(tpot_slo.is_(None), u.ttft_ms.is_(None), u.completion_tokens < 2, tpot <= tpot_slo),
+    )
+    return case((met, true()), else_=false())
+
+
+def _hour_sql(dialect: str, at: Any) -> ColumnElement:
+    if dialect == "sqlite":  # the text UTCDateTime writes, truncated to the hour
+        return func.strftime("%Y-%m-%d %H:00:00.000000", at)
+    return func.timezone("UTC", func.date_trunc("hour", func.timezone("UTC", at)))
+
+
+async def rebuild_usage_rollup(session: AsyncSession, start: datetime, end: datetime) -> int:
+    """Recompute usage_hourly for the UTC hours overlapping [start, end) from usage_records.
+
+    The repair after a rolling upgrade to migration 0005: a gateway still on the previous
+    release writes records without `slo_met` and without adding them to the rollup. Those
+    records are evaluated against the tiers as they are now, then the hours are summed
+    again. Runs in the caller's transaction; on PostgreSQL it locks usage_hourly against
+    writes (reports still read) until commit, so a batch written meanwhile waits and then
+    adds to the rebuilt rows. Returns the number of rollup rows written.
+    """
+    first = hour_of(start)
+    last = hour_of(end)
+    if last < end:
+        last += timedelta(hours=1)
+    dialect = session.bind.dialect.name
+    if dialect == "postgresql":
+        await session.execute(text("LOCK TABLE usage_hourly IN EXCLUSIVE MODE"))
+    u, h = UsageRow.__table__, UsageHourly.__table__
+    in_range = and_(u.c.created_at >= first, u.c.created_at < last)
+    await session.execute(
+        update(u).where(in_range, u.c.slo_met.is_(None)).values(slo_met=_slo_met_sql())
+    )
+    await session.execute(delete(h).where(h.c.hour >= first, h.c.hour < last))
+    refused = u.c.outcome.like("rejected:%")
+
+    def total_if(condition: ColumnElement, value: Any = 1) -> ColumnElement:
+        return func.coalesce(func.sum(case((condition, value), else_=0)), 0)
+
+    hour = _hour_sql(dialect, u.c.created_at).label("hour")
+    sums = (
+        select(
+            hour,
+            u.c.tenant_id,
+            u.c.tier,
+            func.count(),
+            total_if(refused),
+            total_if(u.c.outcome == "aborted"),
+            total_if(~refused, u.c.prompt_tokens),
+            total_if(~refused, u.c.completion_tokens),
+            total_if(u.c.slo_met),
+        )
+        .where(in_range)
+        .group_by(literal_column("hour"), u.c.tenant_id, u.c.tier)
+    )
+    names = ["hour", "tenant_id", "tier", *ROLLUP_COUNTS]
+    result = await session.execute(insert(h).from_select(names, sums))
+    return max(result.rowcount, 0)
 
 
 class UsageWriter:

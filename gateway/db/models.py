@@ -20,7 +20,6 @@ from sqlalchemy import (
     MetaData,
     PrimaryKeyConstraint,
     String,
-    false,
     func,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -186,8 +185,10 @@ class UsageRow(Base):
     outcome: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
     # Whether the request met its tier's SLO as the tier stood when the record was
-    # written (migration 0005 evaluated older rows against the tiers of that day).
-    slo_met: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    # written (migration 0005 evaluated older rows against the tiers of that day). NULL:
+    # written by a gateway older than 0005 during a rolling upgrade, so neither evaluated
+    # nor in usage_hourly; gateway.usage.rebuild_usage_rollup repairs those hours.
+    slo_met: Mapped[bool | None] = mapped_column(Boolean)
 
 
 class UsageHourly(Base):

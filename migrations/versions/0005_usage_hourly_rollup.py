@@ -109,11 +109,11 @@ def _backfill_rollup(dialect: str) -> None:
 
 def upgrade() -> None:
     dialect = op.get_bind().dialect.name
-    op.add_column(
-        "usage_records",
-        sa.Column("slo_met", sa.Boolean(), server_default=sa.false(), nullable=False),
-    )
-    op.execute(sa.update(_usage).where(_met_condition()).values(slo_met=sa.true()))
+    # Nullable: a gateway still running the previous release during a rolling upgrade
+    # writes rows without it (NULL = not evaluated; the rollup repair evaluates them).
+    op.add_column("usage_records", sa.Column("slo_met", sa.Boolean(), nullable=True))
+    met = sa.case((_met_condition(), sa.true()), else_=sa.false())
+    op.execute(sa.update(_usage).values(slo_met=met))
     op.create_table(
         "usage_hourly",
         sa.Column("hour", sa.DateTime(timezone=True), nullable=False),
