@@ -89,7 +89,9 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
         "report", help="all policies over a load sweep, the suites and the targets"
     )
     common(rep)
-    rep.add_argument("--loads", type=_floats, default=(0.5, 0.7, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0))
+    rep.add_argument(
+        "--loads", type=_floats, default=(0.5, 0.7, 0.9, 1.0, 1.1, 1.25, 1.5, 1.75, 2.0)
+    )
     rep.add_argument("--policies", type=_names(POLICIES), default=POLICIES)
     rep.add_argument("--suites", type=_names(SUITES), default=SUITES)
     rep.add_argument("--suite-duration", type=float, default=40.0)

@@ -91,7 +91,7 @@ def run_suite(
             return SuiteResult(
                 name,
                 policy,
-                "max |service/weight ÷ mean − 1|",
+                "largest relative error of service/weight",
                 error,
                 "≤ 0.02",
                 error <= 0.02,

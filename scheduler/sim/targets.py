@@ -27,7 +27,7 @@ class TargetConfig:
     num_engines: int = 1
     duration_s: float = 60.0
     drain_s: float = 120.0
-    load_factors: tuple[float, ...] = (0.5, 0.7, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0)
+    load_factors: tuple[float, ...] = (0.5, 0.7, 0.9, 1.0, 1.1, 1.25, 1.5, 1.75, 2.0)
     seed: int = 0
     suite_duration_s: float = 40.0
     policies: tuple[str, ...] = POLICIES
