@@ -7,7 +7,7 @@ serialised to JSON for the Redis backend, so it holds only plain values.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from engine.request import SamplingParams
@@ -48,7 +48,8 @@ class Job:
         # A shallow dict: asdict() deep-copies the token tuples, which dominated the
         # queue's client-side cost.
         data: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
-        data["params"] = asdict(self.params)
+        # asdict() deep-copies too; the params are flat, so a field read is enough.
+        data["params"] = {f.name: getattr(self.params, f.name) for f in fields(self.params)}
         return json.dumps(data, separators=(",", ":"))
 
     @classmethod
