@@ -84,6 +84,9 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--drain", type=float, default=120.0, help="seconds to run after arrivals stop"
     )
     one.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    one.add_argument(
+        "--fast-forward", action="store_true", help="jump over pure-decode stretches (big fleets)"
+    )
 
     rep = sub.add_parser(
         "report", help="all policies over a load sweep, the suites and the targets"
@@ -182,9 +185,8 @@ def _run_one(args: argparse.Namespace) -> int:
     params = load_params(args.preset)
     spec = three_tier_mix(args.rate, args.duration, seed=args.seed)
     started = time.perf_counter()
-    result = simulate(
-        spec, args.policy, FleetSpec(params, args.engines), SimOptions(drain_s=args.drain)
-    )
+    options = SimOptions(drain_s=args.drain, fast_forward=args.fast_forward)
+    result = simulate(spec, args.policy, FleetSpec(params, args.engines), options)
     stats = result.stats
     if args.json:
         print(json.dumps(stats.to_dict(), indent=2))
