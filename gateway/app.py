@@ -27,10 +27,17 @@ from starlette.routing import Mount, Router
 from starlette.types import Receive, Scope, Send
 
 from gateway.admin import AdminDeps, admin_routes
+from gateway.admin.queues import QueueMonitor, queue_routes
 from gateway.admin.ui import dashboard_routes
 from gateway.admin.usage_routes import usage_routes
-from gateway.auth import KeyAuthenticator
+from gateway.admission import Admission
 from gateway.batches.setup import start_batch_api, upload_limits
+from gateway.config_sync import (
+    CONFIG_VERSION_SUFFIX,
+    ConfigSync,
+    SyncedKeyAuthenticator,
+    SyncedTierCatalog,
+)
 from gateway.db.session import create_db_engine, create_sessionmaker
 from gateway.errors import (
     ErrorKind,
@@ -51,11 +58,12 @@ from gateway.observability.probes import (
     stop_task,
 )
 from gateway.openai.routes import OpenAIDeps, OpenAIRoutes
+from gateway.queue_setup import RESULT_POLL_MS, build_queue
 from gateway.settings import Settings
-from gateway.tiers import TierCatalog
 from gateway.usage import UsageWriter
+from scheduler.backend import BackendUnavailableError
 from scheduler.dispatcher import Dispatcher, EngineLike
-from scheduler.local_queue import LocalQueue
+from scheduler.results import JobClient
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +80,13 @@ def build_engine(settings: Settings) -> EngineLike:
     from engine.async_engine import AsyncEngine
     from engine.config import EngineConfig
 
+    extra = {} if settings.max_num_seqs is None else {"max_num_seqs": settings.max_num_seqs}
     config = EngineConfig(
         model=settings.model,
         device=settings.device,
         kv_cache_bytes=settings.kv_cache_bytes,
         max_model_len=settings.max_model_len,
+        **extra,
     )
     return AsyncEngine(config)
 
@@ -98,12 +108,15 @@ def build_app(
     *,
     engine: EngineLike | None = None,
     telemetry_config: TelemetryConfig | None = None,
+    with_engine: bool = True,
 ) -> Starlette:
     """The gateway app for `settings`.
 
     `engine` replaces the engine the settings describe: a harness (the benchmark) may
     pass one built around another model runner. The app starts and shuts it down.
-    `telemetry_config` defaults to the standard OTEL_* variables.
+    `telemetry_config` defaults to the standard OTEL_* variables. With
+    `with_engine=False` (`tiergate gateway`) the process runs no engine: it loads only
+    the tokenizer and leaves the queued work to `tiergate worker` processes.
     """
     deferred = _DeferredRoutes()
     telemetry = Telemetry(telemetry_config or TelemetryConfig.from_env())
@@ -112,7 +125,9 @@ def build_app(
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:
         async with contextlib.AsyncExitStack() as stack:
             stack.callback(telemetry.shutdown)  # last out: flushes the final spans
-            deferred.router = await _build_router(settings, engine, telemetry, stack)
+            deferred.router = await _build_router(
+                settings, engine, telemetry, stack, with_engine=with_engine
+            )
             try:
                 yield
             finally:
@@ -138,6 +153,8 @@ async def _build_router(
     engine: EngineLike | None,
     telemetry: Telemetry,
     stack: contextlib.AsyncExitStack,
+    *,
+    with_engine: bool = True,
 ) -> Router:
     database_url = settings.db_url
     if settings.is_embedded_db:
@@ -146,24 +163,53 @@ async def _build_router(
     db_engine = create_db_engine(database_url)
     stack.push_async_callback(db_engine.dispose)
     sessionmaker = create_sessionmaker(db_engine)
-    tiers = TierCatalog(sessionmaker)
-    auth = KeyAuthenticator(sessionmaker, tiers, cache_ttl_s=settings.auth_cache_ttl_s)
+    queue = build_queue(settings.redis_url, settings.redis_prefix)
+    stack.push_async_callback(queue.aclose)
+    sync = ConfigSync(
+        queue.backend, redis_client=queue.redis, version_key=queue.key(CONFIG_VERSION_SUFFIX)
+    )
+    tiers = SyncedTierCatalog(sessionmaker, on_change=sync.changed)
+    auth = SyncedKeyAuthenticator(
+        sessionmaker, tiers, cache_ttl_s=settings.auth_cache_ttl_s, on_change=sync.changed
+    )
+    sync.bind(tiers, auth)
+    try:
+        await sync.start()
+    except BackendUnavailableError:
+        log.warning("the queue is unreachable; tiers are pushed at the next admin change")
+    stack.push_async_callback(sync.aclose)
 
     usage = UsageWriter(sessionmaker, flush_interval_s=settings.usage_flush_interval_s)
     await usage.start()
     stack.push_async_callback(usage.aclose)  # closed last: it flushes the final records
 
-    if engine is None:
-        engine = await asyncio.to_thread(build_engine, settings)
-    await _maybe_await(engine.start())  # type: ignore[attr-defined]
-    stack.push_async_callback(_shutdown_engine, engine)
+    dispatcher: Dispatcher | None = None
+    model: Any
+    if with_engine:
+        if engine is None:
+            engine = await asyncio.to_thread(build_engine, settings)
+        await _maybe_await(engine.start())  # type: ignore[attr-defined]
+        stack.push_async_callback(_shutdown_engine, engine)
+        dispatcher = Dispatcher(queue.backend, engine)
+        await dispatcher.publish_capacity()
+        dispatcher.start()
+        # One process: a job left running at shutdown has no one to resume it for.
+        stack.push_async_callback(dispatcher.aclose, 0.0)
+        jobs = JobClient(queue.backend, poll_ms=RESULT_POLL_MS, on_enqueue=dispatcher.notify)
+        model = engine
+        telemetry.watch_workers(local_worker_probe(engine))
+    else:
+        from gateway.model_info import load_model_card
 
-    queue = LocalQueue()
-    dispatcher = Dispatcher(queue, engine)
-    dispatcher.start()
-    stack.push_async_callback(dispatcher.aclose)
-    telemetry.watch_queue(queue_depth_probe(queue))
-    telemetry.watch_workers(local_worker_probe(engine))
+        model = await asyncio.to_thread(load_model_card, settings.model, settings.max_model_len)
+        jobs = JobClient(queue.backend, poll_ms=RESULT_POLL_MS)
+    stack.push_async_callback(jobs.aclose)
+    admission = Admission(queue.limiter, jobs, on_unknown_tier=sync.push_tiers)
+    stack.push_async_callback(admission.aclose)
+    monitor = QueueMonitor(queue.backend)
+    monitor.start()
+    stack.push_async_callback(monitor.aclose)
+    telemetry.watch_queue(queue_depth_probe(monitor))
     tier_watch = asyncio.create_task(keep_tiers_fresh(telemetry, tiers.all), name="tier-slos")
     stack.push_async_callback(stop_task, tier_watch)
 
@@ -172,15 +218,19 @@ async def _build_router(
             await connection.execute(text("SELECT 1"))
 
     async def worker_ready() -> None:
-        if not dispatcher.is_running:
-            raise ServiceUnavailableError("the dispatcher is not running")
-        is_alive = getattr(engine, "is_running", True)
-        if not is_alive:
-            raise ServiceUnavailableError("the engine is not running")
+        if dispatcher is not None:
+            if not dispatcher.is_running:
+                raise ServiceUnavailableError("the dispatcher is not running")
+            if not getattr(engine, "is_running", True):
+                raise ServiceUnavailableError("the engine is not running")
+            return
+        capacity = await queue.backend.fleet_capacity()
+        if capacity.num_workers < 1:
+            raise ServiceUnavailableError("no live worker")
 
     async def queue_ready() -> None:
-        # The in-memory queue lives in this process: reachable whenever the process is.
-        return None
+        # The in-memory queue lives in this process; Redis must answer.
+        await queue.backend.get_tiers()
 
     routes = health_routes(
         [("database", database_ready), ("queue", queue_ready), ("worker", worker_ready)]
@@ -189,11 +239,12 @@ async def _build_router(
         OpenAIDeps(
             auth=auth,
             tiers=tiers,
-            model=engine,  # type: ignore[arg-type]
-            dispatcher=dispatcher,
+            model=model,
+            dispatcher=jobs,
             usage=usage,
             created_s=int(time.time()),
             telemetry=telemetry,
+            admission=admission,
         )
     )
     routes += openai.routes()
@@ -203,7 +254,7 @@ async def _build_router(
         auth=auth,
         tiers=tiers,
         openai=openai,
-        dispatcher=dispatcher,
+        dispatcher=jobs,
         usage=usage,
         stack=stack,
     )
@@ -212,7 +263,14 @@ async def _build_router(
         deps = AdminDeps(
             sessionmaker=sessionmaker, admin_token=settings.admin_token, tiers=tiers, auth=auth
         )
-        routes.append(Mount("/admin/v1", routes=admin_routes(deps) + usage_routes(deps)))
+        routes.append(
+            Mount(
+                "/admin/v1",
+                routes=admin_routes(deps)
+                + usage_routes(deps)
+                + queue_routes(queue.backend, settings.admin_token),
+            )
+        )
         routes.append(Mount("/admin/ui", routes=dashboard_routes(deps, telemetry)))
     else:
         log.warning("TIERGATE_ADMIN_TOKEN is not set: the admin API is disabled")

@@ -63,6 +63,57 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.set_defaults(func=_serve)
 
+    gateway = commands.add_parser(
+        "gateway", help="run the HTTP gateway only (needs a database and Redis; no engine)"
+    )
+    _add_common_flags(gateway)
+    gateway.add_argument("--host", help="bind address (TIERGATE_HOST, default 127.0.0.1)")
+    gateway.add_argument("--port", type=int, help="bind port (TIERGATE_PORT, default 8000)")
+    gateway.add_argument(
+        "--model", help="the served model; only its tokenizer is loaded (TIERGATE_MODEL)"
+    )
+    gateway.add_argument("--redis-url", help="Redis URL, required (TIERGATE_REDIS_URL)")
+    gateway.add_argument("--admin-token", help="admin API bearer token (TIERGATE_ADMIN_TOKEN)")
+    gateway.add_argument(
+        "--max-body-bytes", type=int, help="request body limit (TIERGATE_MAX_BODY_BYTES)"
+    )
+    gateway.add_argument(
+        "--max-model-len", type=int, help="cap the context window (TIERGATE_MAX_MODEL_LEN)"
+    )
+    gateway.set_defaults(func=_gateway)
+
+    worker = commands.add_parser(
+        "worker", help="run a dispatcher and an engine on one device (needs Redis; no database)"
+    )
+    worker.add_argument("--model", help="HF checkpoint directory or tiny-random (TIERGATE_MODEL)")
+    worker.add_argument(
+        "--device", choices=["auto", "cpu", "cuda"], help="engine device (TIERGATE_DEVICE)"
+    )
+    worker.add_argument("--redis-url", help="Redis URL, required (TIERGATE_REDIS_URL)")
+    worker.add_argument(
+        "--max-model-len", type=int, help="cap the context window (TIERGATE_MAX_MODEL_LEN)"
+    )
+    worker.add_argument(
+        "--kv-cache-bytes", type=int, help="KV cache budget (TIERGATE_KV_CACHE_BYTES)"
+    )
+    worker.add_argument(
+        "--max-num-seqs", type=int, help="sequences batched at once (TIERGATE_MAX_NUM_SEQS)"
+    )
+    worker.add_argument("--worker-id", help="worker name (default host-pid-random)")
+    worker.add_argument(
+        "--lease-ms",
+        type=int,
+        default=10_000,
+        help="a job whose worker stops heartbeating returns to the queue after this",
+    )
+    worker.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, how long running jobs may finish before they are requeued",
+    )
+    worker.set_defaults(func=_worker)
+
     migrate = commands.add_parser("migrate", help="upgrade the database to the newest schema")
     _add_common_flags(migrate)
     migrate.set_defaults(func=_migrate)
@@ -105,8 +156,6 @@ def _serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     settings = settings_from_args(args)
-    if settings.redis_url:
-        log.warning("the Redis queue is not available yet; using the in-memory queue")
     if args.demo:
         generated = settings.admin_token is None
         if generated:
@@ -114,6 +163,52 @@ def _serve(args: argparse.Namespace) -> int:
         print(_demo_banner(settings, asyncio.run(_demo_tenants(settings)), generated), flush=True)
     app = build_app(settings)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", access_log=False)
+    return 0
+
+
+def _gateway(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from gateway.app import build_app
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    settings = settings_from_args(args)
+    if not settings.redis_url:
+        raise SettingsError("tiergate gateway needs TIERGATE_REDIS_URL (or --redis-url)")
+    app = build_app(settings, with_engine=False)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", access_log=False)
+    return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from gateway.app import build_engine
+    from gateway.queue_setup import build_queue
+    from scheduler.dispatcher import DispatcherConfig
+    from scheduler.worker import run_worker, stop_on_signals
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    settings = settings_from_args(args)
+    if not settings.redis_url:
+        raise SettingsError("tiergate worker needs TIERGATE_REDIS_URL (or --redis-url)")
+    heartbeat_ms = max(50, min(1_000, args.lease_ms // 4))
+    config = DispatcherConfig(
+        lease_ms=args.lease_ms,
+        heartbeat_ms=heartbeat_ms,
+        capacity_ttl_ms=max(5 * heartbeat_ms, 2_000),
+        drain_timeout_s=args.drain_timeout_s,
+    )
+
+    async def main() -> None:
+        queue = build_queue(settings.redis_url, settings.redis_prefix)
+        stop = asyncio.Event()
+        stop_on_signals(stop)
+        engine = await asyncio.to_thread(build_engine, settings)
+        try:
+            await run_worker(queue.backend, engine, stop, worker_id=args.worker_id, config=config)
+        finally:
+            await queue.aclose()
+
+    asyncio.run(main())
     return 0
 
 

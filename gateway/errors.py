@@ -15,6 +15,10 @@ from dataclasses import dataclass
 from starlette.responses import JSONResponse
 
 from engine import errors as engine_errors
+from scheduler import admission as scheduler_admission
+from scheduler import backend as scheduler_queue
+from scheduler import rate_limit as scheduler_limits
+from scheduler import results as scheduler_results
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +103,26 @@ ERROR_TABLE: dict[type[BaseException], ErrorKind] = {
     ),
     engine_errors.InvalidRequestError: ErrorKind(400, "invalid_request_error"),
     engine_errors.EngineDeadError: ErrorKind(503, "service_unavailable_error", "engine_dead"),
+    # The scheduler's refusals ("not now" is 429, "cannot at all" is 503). The admission
+    # path converts most of them to RateLimitedError with headers; these rows cover the
+    # rest (batch lines, errors that surface from a result stream).
+    scheduler_limits.RateLimitExceededError: ErrorKind(
+        429, "rate_limit_error", "rate_limit_exceeded"
+    ),
+    scheduler_admission.SloUnattainableError: ErrorKind(
+        429, "rate_limit_error", "slo_unattainable"
+    ),
+    scheduler_queue.QueueFullError: ErrorKind(429, "rate_limit_error", "queue_full"),
+    scheduler_results.QueueTimeoutError: ErrorKind(429, "rate_limit_error", "queue_timeout"),
+    scheduler_admission.NoCapacityError: ErrorKind(503, "service_unavailable_error", "no_capacity"),
+    scheduler_queue.BackendUnavailableError: ErrorKind(
+        503, "service_unavailable_error", "queue_unavailable"
+    ),
+    scheduler_queue.UnknownTierError: ErrorKind(
+        503, "service_unavailable_error", "tier_not_configured"
+    ),
+    scheduler_results.JobInvalidError: ErrorKind(400, "invalid_request_error", "invalid_request"),
+    scheduler_results.JobFailedError: ErrorKind(500, "server_error", "engine_error"),
 }
 
 
@@ -142,13 +166,16 @@ def error_response(exc: BaseException, *, request_id: str | None = None) -> JSON
     message = getattr(exc, "message", None) or str(exc)
     param = getattr(exc, "param", None)
     code = getattr(exc, "code", None) or kind.code
+    retry_after_s = getattr(exc, "retry_after_s", None)
+    if getattr(exc, "retry_after_ms", None) is not None:
+        retry_after_s = exc.retry_after_ms / 1000.0  # type: ignore[attr-defined]
     if isinstance(exc, RateLimitedError):
         headers.update(exc.headers)
-        if exc.retry_after_s is not None:
-            # Retry-After is whole seconds (rounded up so honouring it is enough);
-            # retry-after-ms carries the precise wait.
-            headers["retry-after"] = str(max(1, math.ceil(exc.retry_after_s)))
-            headers["retry-after-ms"] = str(max(1, math.ceil(exc.retry_after_s * 1000)))
+    if kind.status == 429 and retry_after_s is not None:
+        # Retry-After is whole seconds (rounded up so honouring it is enough);
+        # retry-after-ms carries the precise wait.
+        headers["retry-after"] = str(max(1, math.ceil(retry_after_s)))
+        headers["retry-after-ms"] = str(max(1, math.ceil(retry_after_s * 1000)))
     return JSONResponse(
         error_body(message, kind.type, param, code), status_code=kind.status, headers=headers
     )

@@ -27,6 +27,8 @@ class Settings:
     data_dir: Path = Path(".tiergate")
     database_url: str | None = None  # None: the SQLite file in data_dir (db_url)
     redis_url: str | None = None
+    # Every Redis key of one deployment starts with this (keep the {hash tag}).
+    redis_prefix: str = "{tiergate}:"
     admin_token: str | None = None
     model: str = "tiny-random"
     device: str = "auto"
@@ -36,6 +38,7 @@ class Settings:
     # The engine's KV cache budget; None lets the engine size it from free memory.
     kv_cache_bytes: int | None = None
     max_model_len: int | None = None  # None: the model's own context length
+    max_num_seqs: int | None = None  # sequences the engine batches; None: its default
     auth_cache_ttl_s: float = 5.0
     usage_flush_interval_s: float = 0.5
     # Batch API: the upload cap of POST /v1/files, a batch's input limits, and how long
@@ -77,6 +80,7 @@ _ENV: dict[str, tuple[str, type]] = {
     "TIERGATE_DATA_DIR": ("data_dir", Path),
     "TIERGATE_DATABASE_URL": ("database_url", str),
     "TIERGATE_REDIS_URL": ("redis_url", str),
+    "TIERGATE_REDIS_PREFIX": ("redis_prefix", str),
     "TIERGATE_ADMIN_TOKEN": ("admin_token", str),
     "TIERGATE_MODEL": ("model", str),
     "TIERGATE_DEVICE": ("device", str),
@@ -85,6 +89,7 @@ _ENV: dict[str, tuple[str, type]] = {
     "TIERGATE_MAX_BODY_BYTES": ("max_body_bytes", int),
     "TIERGATE_KV_CACHE_BYTES": ("kv_cache_bytes", int),
     "TIERGATE_MAX_MODEL_LEN": ("max_model_len", int),
+    "TIERGATE_MAX_NUM_SEQS": ("max_num_seqs", int),
     "TIERGATE_MAX_FILE_BYTES": ("max_file_bytes", int),
     "TIERGATE_BATCH_MAX_INPUT_BYTES": ("batch_max_input_bytes", int),
     "TIERGATE_BATCH_MAX_LINES": ("batch_max_lines", int),

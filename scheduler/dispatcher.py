@@ -1,37 +1,48 @@
-"""Feeds queued jobs to a local engine and streams each job's outputs back to its caller.
+"""Feeds jobs from the shared queue to a local engine and publishes their results.
 
-The dispatcher pulls from the queue only when the engine says it can take work, so the
-queue (not the engine's waiting list) holds the backlog and decides the order. Each
-submitted job gets a `JobStream` the caller iterates; cancelling it removes the job from
-the queue or aborts it in the engine, which frees its KV blocks.
+A worker (or the one-process `serve`) runs one Dispatcher next to its engine. It leases
+a job from the queue only when the engine says it can take one more, so the queue (not
+the engine's waiting list) holds the backlog and decides the order. Each job runs with
+its tier's rank and preemptibility, so the engine preempts worse-rank work for a better
+rank arrival. Tokens go to the job's result channel as they are generated and are
+charged to the tenant's fair-share counter; the job ends with complete or fail.
+
+In the background the dispatcher renews its leases (a job whose lease it lost, because
+the client cancelled or another worker reclaimed it, is aborted in the engine), requeues
+the jobs of dead workers (`reclaim_expired_leases`) and publishes its measured capacity,
+which keeps it counted as live. A job that resumes after another worker died runs with
+its prompt plus the tokens the client already has and continues after them.
+
+`aclose` drains: it stops leasing, lets running jobs finish for a while, then puts the
+rest back in the queue (each resumes elsewhere after the tokens it streamed).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
+import os
+import socket
 import time
+import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from engine.errors import EngineDeadError, RequestAbortedError
+from engine.errors import EngineDeadError, InvalidRequestError
 from engine.request import Priority, SamplingParams
+from scheduler.backend import BackendUnavailableError, QueueBackend
 from scheduler.job import Job
-from scheduler.local_queue import LocalQueue
+from scheduler.results import ENGINE_ERROR, INVALID_REQUEST
 
 log = logging.getLogger(__name__)
-
-# How often a full engine is asked again whether it can take work. A finishing job wakes
-# the loop at once; the poll only covers capacity freed inside the engine otherwise.
-CAPACITY_POLL_S = 0.002
 
 
 class EngineLike(Protocol):
     """What the dispatcher needs from `engine.async_engine.AsyncEngine`."""
 
-    def can_accept(self) -> bool: ...
+    def can_accept(self, rank: int | None = None) -> bool: ...
 
     def generate(
         self,
@@ -40,68 +51,80 @@ class EngineLike(Protocol):
         *,
         request_id: str,
         priority: Priority,
+        resumed_token_ids: tuple[int, ...] = (),
     ) -> AsyncIterator[Any]: ...
 
     def abort(self, request_id: str) -> Any: ...
 
 
-_END = object()
+@dataclass(frozen=True)
+class DispatcherConfig:
+    """Timings of one dispatcher.
 
-
-class JobStream:
-    """The caller's end of one job: iterate it for the engine's incremental outputs.
-
-    Iteration ends when the job finishes, raises the engine's error if it failed, and
-    raises RequestAbortedError if the job was cancelled.
+    Until the engine has measured its rates, it reports the `default_*` ones, so that
+    admission has a (rough) capacity to predict with from the first request on.
     """
 
-    def __init__(self, job: Job, enqueued_s: float) -> None:
-        self.job = job
-        self.enqueued_s = enqueued_s  # monotonic
-        self.dispatched_s: float | None = None  # monotonic, set when the engine takes it
-        self._items: asyncio.Queue[Any] = asyncio.Queue()
-        self._error: BaseException | None = None
-        self._ended = False
+    lease_ms: int = 10_000
+    heartbeat_ms: int = 1_000  # renew leases, reclaim dead workers' jobs, report capacity
+    capacity_ttl_ms: int = 5_000  # a worker silent this long no longer counts as live
+    idle_poll_ms: float = 10.0  # an empty queue is looked at again after this
+    full_poll_ms: float = 2.0  # a full engine is asked again after this (or a step)
+    rank_check_ms: float = 50.0  # how often a full engine looks for better-rank work
+    default_prefill_tokens_per_s: float = 2_000.0
+    default_decode_tokens_per_s: float = 200.0
+    drain_timeout_s: float = 30.0
 
-    @property
-    def queue_wait_ms(self) -> float | None:
-        if self.dispatched_s is None:
-            return None
-        return (self.dispatched_s - self.enqueued_s) * 1000.0
+    def __post_init__(self) -> None:
+        if self.heartbeat_ms * 2 > self.lease_ms:
+            raise ValueError("heartbeat_ms must be at most half of lease_ms")
+        if self.capacity_ttl_ms <= self.heartbeat_ms:
+            raise ValueError("capacity_ttl_ms must exceed heartbeat_ms")
 
-    def _put(self, output: Any) -> None:
-        self._items.put_nowait(output)
 
-    def _end(self, error: BaseException | None) -> None:
-        if not self._ended:
-            self._ended = True
-            self._error = error
-            self._items.put_nowait(_END)
+def default_worker_id() -> str:
+    """host-pid-random: unique per process, readable in /admin/v1/queues."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
-    def __aiter__(self) -> AsyncIterator[Any]:
-        return self._iterate()
 
-    async def _iterate(self) -> AsyncIterator[Any]:
-        while True:
-            item = await self._items.get()
-            if item is _END:
-                if self._error is not None:
-                    raise self._error
-                return
-            yield item
+@dataclass
+class _Running:
+    job: Job
+    streamed: list[int]  # what the client has: resumed tokens plus those published here
+    task: asyncio.Task[None] | None = None
+    # Set by a drain: hand the job back at the next token. Cancelling the task alone is
+    # not enough: a cancellation that lands inside a Redis call may be absorbed there.
+    is_handed_back: bool = False
+
+
+class _HandBack(Exception):
+    """Internal: stop running this job here and requeue it."""
 
 
 class Dispatcher:
-    """Moves jobs from a LocalQueue into an engine as capacity allows."""
+    """Moves jobs from a QueueBackend into an engine as capacity allows."""
 
-    def __init__(self, queue: LocalQueue, engine: EngineLike) -> None:
-        self._queue = queue
+    def __init__(
+        self,
+        backend: QueueBackend,
+        engine: EngineLike,
+        *,
+        worker_id: str | None = None,
+        config: DispatcherConfig | None = None,
+    ) -> None:
+        self._backend = backend
         self._engine = engine
-        self._streams: dict[str, JobStream] = {}
-        self._running: dict[str, asyncio.Task[None]] = {}
+        self.worker_id = worker_id or default_worker_id()
+        self._config = config or DispatcherConfig()
+        self._running: dict[str, _Running] = {}
+        self._wake = asyncio.Event()
         self._capacity_freed = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
-        self._closed = False
+        self._heartbeat_task: asyncio.Task[None] | None = None
+        self._is_stopping = False
+        self._best_rank: int | None = None
+        self._best_rank_at_s = 0.0
+        self.num_dispatched = 0
 
     @property
     def is_running(self) -> bool:
@@ -111,97 +134,193 @@ class Dispatcher:
     def num_running(self) -> int:
         return len(self._running)
 
-    @property
-    def num_queued(self) -> int:
-        return len(self._queue)
-
-    def submit(self, job: Job) -> JobStream:
-        """Queue a job; the returned stream yields its outputs once it runs."""
-        if self._closed:
-            raise EngineDeadError("the dispatcher is shut down")
-        stream = JobStream(job, time.monotonic())
-        self._queue.push(job)
-        self._streams[job.job_id] = stream
-        return stream
-
-    async def cancel(self, job_id: str) -> None:
-        """Drop a queued job or abort a running one (frees its KV blocks). Idempotent."""
-        stream = self._streams.pop(job_id, None)
-        if self._queue.remove(job_id):
-            if stream is not None:
-                stream._end(RequestAbortedError(f"request {job_id} was cancelled"))
-            return
-        task = self._running.get(job_id)
-        if task is not None:
-            await _maybe_await(self._engine.abort(job_id))
-            task.cancel()
+    def notify(self) -> None:
+        """Something was queued: look at the queue now rather than at the next poll."""
+        self._wake.set()
 
     def start(self) -> None:
+        """Start leasing and heartbeating (idempotent)."""
         if self._loop_task is None:
             self._loop_task = asyncio.create_task(self._run(), name="dispatcher")
+            self._heartbeat_task = asyncio.create_task(self._heartbeat(), name="heartbeat")
 
-    async def aclose(self) -> None:
-        """Stop pulling, abort running jobs, fail queued ones with EngineDeadError."""
-        self._closed = True
-        if self._loop_task is not None:
-            self._loop_task.cancel()
+    async def aclose(self, drain_timeout_s: float | None = None) -> None:
+        """Stop leasing; give running jobs `drain_timeout_s` to finish, then requeue the
+        rest (they resume on another worker after the tokens already streamed)."""
+        timeout_s = self._config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+        self._is_stopping = True
+        self._wake.set()
+        for task in (self._loop_task,):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        tasks = [r.task for r in self._running.values() if r.task is not None]
+        if tasks and timeout_s > 0:
+            await asyncio.wait(tasks, timeout=timeout_s)
+        for running in list(self._running.values()):
+            running.is_handed_back = True
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._loop_task
-        for job_id in list(self._running):
-            await self.cancel(job_id)
-        if self._running:
-            await asyncio.gather(*self._running.values(), return_exceptions=True)
-        while (job := self._queue.pop()) is not None:
-            stream = self._streams.pop(job.job_id, None)
-            if stream is not None:
-                stream._end(EngineDeadError("the server is shutting down"))
-
-    async def _run(self) -> None:
-        while True:
-            await self._queue.wait_nonempty()
-            if not self._engine.can_accept():
-                self._capacity_freed.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._capacity_freed.wait(), CAPACITY_POLL_S)
-                continue
-            job = self._queue.pop()
-            if job is None:
-                continue
-            stream = self._streams.get(job.job_id)
-            if stream is None:  # cancelled between push and pop
-                continue
-            stream.dispatched_s = time.monotonic()
-            self._running[job.job_id] = asyncio.create_task(
-                self._drive(stream), name=f"job-{job.job_id}"
+                await self._heartbeat_task
+        # Lapse at once instead of after capacity_ttl_ms: admission stops counting us.
+        with contextlib.suppress(Exception):
+            await self._backend.publish_capacity(
+                self.worker_id, prefill_tokens_per_s=0.0, decode_tokens_per_s=0.0, ttl_ms=1
             )
-            # Let the new job reach the engine before asking it about capacity again.
+
+    async def publish_capacity(self) -> None:
+        """Report the engine's measured rates (or the defaults until it has measured)."""
+        stats = getattr(self._engine, "stats", None)
+        prefill = decode = 0.0
+        if callable(stats):
+            snapshot = stats()
+            prefill = float(getattr(snapshot, "prefill_tokens_per_s", 0.0))
+            decode = float(getattr(snapshot, "decode_tokens_per_s", 0.0))
+        await self._backend.publish_capacity(
+            self.worker_id,
+            prefill_tokens_per_s=prefill or self._config.default_prefill_tokens_per_s,
+            decode_tokens_per_s=decode or self._config.default_decode_tokens_per_s,
+            ttl_ms=self._config.capacity_ttl_ms,
+        )
+
+    # ----------------------------------------------------------------- leasing
+    async def _run(self) -> None:
+        config = self._config
+        while not self._is_stopping:
+            if not await self._engine_can_take():
+                await _wait(self._capacity_freed, config.full_poll_ms)
+                continue
+            self._wake.clear()
+            try:
+                job = await self._backend.dispatch(self.worker_id, config.lease_ms)
+            except BackendUnavailableError as exc:
+                log.warning("cannot lease work: %s", exc)
+                await asyncio.sleep(0.5)
+                continue
+            if job is None:
+                await _wait(self._wake, config.idle_poll_ms)
+                continue
+            self.num_dispatched += 1
+            running = _Running(job, list(job.resumed_token_ids))
+            running.task = asyncio.create_task(self._drive(running), name=f"job-{job.job_id}")
+            self._running[job.job_id] = running
+            # Let the job reach the engine before asking it about capacity again.
             await asyncio.sleep(0)
 
-    async def _drive(self, stream: JobStream) -> None:
-        job = stream.job
-        error: BaseException | None = None
+    async def _engine_can_take(self) -> bool:
+        if self._engine.can_accept():
+            return True
+        # Full: still take work of a rank that would preempt worse, preemptible work.
+        now_s = time.monotonic()
+        if now_s - self._best_rank_at_s >= self._config.rank_check_ms / 1000.0:
+            self._best_rank_at_s = now_s
+            self._best_rank = await self._best_queued_rank()
+        return self._best_rank is not None and self._engine.can_accept(self._best_rank)
+
+    async def _best_queued_rank(self) -> int | None:
         try:
+            depth = await self._backend.depth()
+            if not depth:
+                return None
+            ranks = {t.name: t.rank for t in await self._backend.get_tiers()}
+        except BackendUnavailableError:
+            return None
+        known = [ranks[name] for name in depth if name in ranks]
+        return min(known) if known else None
+
+    async def _drive(self, running: _Running) -> None:
+        job, backend, worker = running.job, self._backend, self.worker_id
+        try:
+            # The lease marker: tells the gateway the job left the queue.
+            if not await backend.publish_tokens(job.job_id, worker, ()):
+                return
+            remaining = job.params.max_tokens - len(job.resumed_token_ids)
+            if remaining <= 0:  # the previous worker streamed everything but the end
+                await backend.complete(job.job_id, worker_id=worker, finish_reason="length")
+                return
+            # The engine continues after the resumed tokens, which count toward max_tokens.
             outputs = self._engine.generate(
                 list(job.prompt_token_ids),
                 job.params,
                 request_id=job.job_id,
                 priority=_priority(job),
+                resumed_token_ids=job.resumed_token_ids,
             )
-            async for output in outputs:
-                stream._put(output)
-                # An output means the engine finished a step and took its pending adds:
-                # it may accept more now.
-                self._capacity_freed.set()
+            async with contextlib.aclosing(outputs):  # leaving early aborts in the engine
+                async for output in outputs:
+                    # An output means the engine finished a step and took its pending adds.
+                    self._capacity_freed.set()
+                    new_ids = list(output.new_token_ids)
+                    if new_ids or output.text_delta:
+                        if not await backend.publish_tokens(
+                            job.job_id, worker, new_ids, output.text_delta
+                        ):
+                            return  # cancelled, or reclaimed by another worker
+                        running.streamed.extend(new_ids)
+                        await backend.charge(job.job_id, output_tokens=len(new_ids))
+                    if running.is_handed_back:
+                        raise _HandBack
+                    if output.finished:
+                        reason = output.finish_reason
+                        await backend.complete(
+                            job.job_id,
+                            worker_id=worker,
+                            finish_reason="stop" if reason is None else str(reason),
+                        )
+                        return
         except asyncio.CancelledError:
-            error = RequestAbortedError(f"request {job.job_id} was cancelled")
+            await _quietly(backend.requeue(job.job_id, running.streamed, worker_id=worker))
             raise
+        except _HandBack:
+            await _quietly(backend.requeue(job.job_id, running.streamed, worker_id=worker))
+        except EngineDeadError:
+            # This engine is gone; another worker resumes the job.
+            await _quietly(backend.requeue(job.job_id, running.streamed, worker_id=worker))
+        except InvalidRequestError as exc:
+            await _quietly(
+                backend.fail(
+                    job.job_id, code=INVALID_REQUEST, message=exc.message, worker_id=worker
+                )
+            )
+        except BackendUnavailableError as exc:
+            # Results cannot be delivered; the lease lapses and another worker resumes it.
+            log.warning("job %s: the queue is unreachable (%s)", job.job_id, exc)
         except Exception as exc:
-            error = exc
+            log.exception("job %s failed", job.job_id)
+            await _quietly(
+                backend.fail(job.job_id, code=ENGINE_ERROR, message=repr(exc), worker_id=worker)
+            )
         finally:
-            stream._end(error)
             self._running.pop(job.job_id, None)
-            self._streams.pop(job.job_id, None)
             self._capacity_freed.set()
+
+    # ----------------------------------------------------------------- heartbeat
+    async def _heartbeat(self) -> None:
+        interval_s = self._config.heartbeat_ms / 1000.0
+        while True:
+            try:
+                await self._beat()
+            except BackendUnavailableError as exc:
+                log.warning("heartbeat: %s", exc)
+            except Exception:
+                log.exception("heartbeat failed")
+            await asyncio.sleep(interval_s)
+
+    async def _beat(self) -> None:
+        await self.publish_capacity()
+        for job_id, running in list(self._running.items()):
+            is_held = await self._backend.renew(self.worker_id, job_id, self._config.lease_ms)
+            # Cancelled by its client or taken over: stop spending the GPU on it.
+            if not is_held and running.task is not None:
+                running.task.cancel()
+        if await self._backend.reclaim_expired_leases():
+            self._wake.set()
 
 
 def _priority(job: Job) -> Priority:
@@ -217,6 +336,14 @@ def _priority(job: Job) -> Priority:
     )
 
 
-async def _maybe_await(value: Any) -> None:
-    if inspect.isawaitable(value):
-        await value
+async def _wait(event: asyncio.Event, timeout_ms: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(event.wait(), timeout_ms / 1000.0)
+    event.clear()
+
+
+async def _quietly(awaitable: Any) -> None:
+    try:
+        await awaitable
+    except Exception as exc:
+        log.warning("queue update failed: %r", exc)

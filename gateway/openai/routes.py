@@ -21,6 +21,7 @@ from starlette.routing import BaseRoute, Route
 
 from engine.errors import ContextLengthExceededError, EngineError, RequestAbortedError
 from engine.request import SamplingParams
+from gateway.admission import Admission
 from gateway.auth import KeyAuthenticator, Principal
 from gateway.errors import (
     GatewayError,
@@ -42,8 +43,9 @@ from gateway.openai.schemas import (
 )
 from gateway.tiers import TierCatalog, TierPolicy
 from gateway.usage import UsageRecord, UsageWriter
-from scheduler.dispatcher import Dispatcher, JobStream
 from scheduler.job import Job
+from scheduler.rate_limit import Reservation
+from scheduler.results import JobClient, JobStream
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # service_tier values the official client sends that mean "my own tier".
@@ -73,10 +75,12 @@ class OpenAIDeps:
     auth: KeyAuthenticator
     tiers: TierCatalog
     model: ModelInfo
-    dispatcher: Dispatcher
+    dispatcher: JobClient  # enqueues jobs and follows their results
     usage: UsageWriter
     created_s: int  # advertised as the model's `created`
     telemetry: Telemetry | None = None  # metrics and traces of each finished request
+    # Rate limits and SLO admission; None admits everything (harnesses).
+    admission: Admission | None = None
 
 
 class ClientDisconnectedError(Exception):
@@ -100,6 +104,7 @@ class _Exchange:
     authenticated_s: float = field(default_factory=time.monotonic)
     last_token_s: float | None = None
     is_stream: bool = False
+    reservation: Reservation | None = None
 
     def timeline(self) -> RequestTimeline:
         return RequestTimeline(
@@ -188,11 +193,11 @@ class OpenAIRoutes:
             prompt_ids = self._prompt_token_ids(parsed)
             exchange.num_prompt_tokens = len(prompt_ids)
             params = self._sampling_params(options, len(prompt_ids), chat=chat)
+            job = _job(request_id, principal, tier, prompt_ids, params, arrival_s, options)
+            headers = await self._admit(exchange, job, tier)
         except (GatewayError, EngineError) as exc:
             self._finish(exchange, f"rejected:{error_code(exc)}")
             raise
-        job = _job(request_id, principal, tier, prompt_ids, params, arrival_s, options)
-        exchange.stream = self.deps.dispatcher.submit(job)
         shape = ResponseShape.for_request(
             request_id, model=self.deps.model.model_name, service_tier=tier.name, chat=chat
         )
@@ -217,11 +222,29 @@ class OpenAIRoutes:
             return StreamingResponse(
                 self._stream(exchange, shape, first, outputs, options.include_usage),
                 media_type="text/event-stream",
-                headers={"cache-control": "no-cache"},
+                headers={"cache-control": "no-cache", **headers},
             )
         self._finish(exchange, "ok")
         usage = Usage(exchange.num_prompt_tokens, exchange.num_completion_tokens)
-        return JSONResponse(shape.full(text, finish_reason, usage))
+        return JSONResponse(shape.full(text, finish_reason, usage), headers=headers)
+
+    async def _admit(self, exchange: _Exchange, job: Job, tier: TierPolicy) -> dict[str, str]:
+        """Rate limits, SLO admission, enqueue; returns the x-ratelimit-* headers."""
+        admission = self.deps.admission
+        if admission is None:
+            exchange.stream = await self.deps.dispatcher.submit_and_wait(job)
+            return {}
+        reservation = await admission.reserve(
+            exchange.principal, job.num_prompt_tokens + job.params.max_tokens
+        )
+        headers = reservation.status.headers()
+        try:
+            exchange.stream = await admission.enqueue(job, tier, headers=headers)
+        except BaseException:
+            admission.release_soon(reservation, 0)
+            raise
+        exchange.reservation = reservation
+        return headers
 
     async def _resolve_tier(self, principal: Principal, requested: str | None) -> TierPolicy:
         if requested is None or requested in OWN_TIER_ALIASES or requested == principal.tier.name:
@@ -352,6 +375,10 @@ class OpenAIRoutes:
     def _finish(self, exchange: _Exchange, outcome: str) -> None:
         """Leave the request's usage record and report it to telemetry (once per request)."""
         record = exchange.record(outcome)
+        if self.deps.admission is not None and exchange.reservation is not None:
+            used = exchange.num_prompt_tokens + exchange.num_completion_tokens
+            self.deps.admission.release_soon(exchange.reservation, used)
+            exchange.reservation = None
         self.deps.usage.record(record)
         if self.deps.telemetry is not None:
             self.deps.telemetry.request_finished(record, exchange.timeline())

@@ -1,17 +1,33 @@
-"""The dispatcher on the real engine (tiny-random on the CPU): streaming, order, cancel."""
+"""The dispatcher and the job client on the real engine (tiny-random on the CPU).
+
+Jobs go through a real queue backend (in memory, and Redis where it matters): rank
+order, cancellation of queued and running jobs, a resumed job continuing after the tokens
+its client already has, and a drain that hands running work back to the queue.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
+import redis.asyncio as aioredis
 
 from engine.errors import EngineDeadError, RequestAbortedError
 from engine.request import SamplingParams
-from scheduler.dispatcher import Dispatcher
+from scheduler.backend import JobStatus
+from scheduler.dispatcher import Dispatcher, DispatcherConfig
 from scheduler.job import Job
-from scheduler.local_queue import LocalQueue
+from scheduler.memory_backend import MemoryBackend
+from scheduler.policy import TierConfig
+from scheduler.redis_backend import RedisBackend
+from scheduler.results import JobClient, QueueTimeoutError
+from tests.scheduler.conftest import REDIS_URL, delete_keys, unique_keys
+
+TIERS = [TierConfig("rank0", rank=0), TierConfig("rank2", rank=2)]
+PROMPT = (5, 6, 7)
+FAST = DispatcherConfig(lease_ms=400, heartbeat_ms=100, capacity_ttl_ms=1_000)
 
 
 @pytest.fixture(scope="module")
@@ -28,16 +44,17 @@ def engine():
     eng.shutdown()
 
 
-def _job(job_id: str, rank: int, max_tokens: int) -> Job:
+def _job(job_id: str, rank: int, max_tokens: int, **kwargs) -> Job:
     return Job(
         job_id=job_id,
         tenant_id="t",
         tier=f"rank{rank}",
         rank=rank,
         weight=1.0,
-        prompt_token_ids=(5, 6, 7),
+        prompt_token_ids=PROMPT,
         params=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
         arrival_s=time.time(),
+        **kwargs,
     )
 
 
@@ -45,57 +62,164 @@ async def _drain(stream) -> list:
     return [output async for output in stream]
 
 
+def _tokens(outputs) -> list[int]:
+    return [t for o in outputs for t in o.new_token_ids]
+
+
+async def _idle(engine) -> None:
+    for _ in range(250):  # the engine thread publishes stats after its next step
+        if engine.stats().num_running == 0 and engine.stats().num_waiting == 0:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("the engine still runs a request")
+
+
+async def _reference(engine, max_tokens: int) -> list[int]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return _tokens([o async for o in engine.generate(list(PROMPT), params)])
+
+
 async def test_streams_outputs_and_orders_by_rank(engine) -> None:
-    dispatcher = Dispatcher(LocalQueue(), engine)
+    backend = MemoryBackend(TIERS)
+    dispatcher = Dispatcher(backend, engine, config=FAST)
+    jobs = JobClient(backend, on_enqueue=dispatcher.notify)
     dispatcher.start()
     try:
-        first = dispatcher.submit(_job("first", 2, 12))
+        first = await jobs.submit_and_wait(_job("first", 2, 12))
         await asyncio.sleep(0.05)  # `first` occupies the only sequence slot
-        late_batch = dispatcher.submit(_job("late-batch", 2, 2))
-        urgent = dispatcher.submit(_job("urgent", 0, 2))
-        results = await asyncio.gather(_drain(first), _drain(late_batch), _drain(urgent))
-        outputs = results[0]
-        assert [len(o.new_token_ids) for o in outputs] == [1] * 12
+        late_batch = await jobs.submit_and_wait(_job("late-batch", 2, 2))
+        urgent = await jobs.submit_and_wait(_job("urgent", 0, 2))
+        outputs, _, _ = await asyncio.gather(_drain(first), _drain(late_batch), _drain(urgent))
+        assert [len(o.new_token_ids) for o in outputs] == [1] * 12 + [0]  # then the end
         assert outputs[-1].finished
+        assert outputs[-1].finish_reason == "length"
         assert outputs[-1].num_output_tokens == 12
+        assert outputs[-1].num_prompt_tokens == len(PROMPT)
+        assert _tokens(outputs) == await _reference(engine, 12)
         assert urgent.dispatched_s is not None
         assert late_batch.dispatched_s is not None
         assert urgent.dispatched_s < late_batch.dispatched_s
         assert urgent.queue_wait_ms is not None
         assert urgent.queue_wait_ms >= 0
+        assert await backend.job_status("first") is JobStatus.DONE
     finally:
-        await dispatcher.aclose()
+        await dispatcher.aclose(0)
+        await jobs.aclose()
 
 
 async def test_cancel_queued_and_running_jobs(engine) -> None:
-    dispatcher = Dispatcher(LocalQueue(), engine)
+    backend = MemoryBackend(TIERS)
+    dispatcher = Dispatcher(backend, engine, config=FAST)
+    jobs = JobClient(backend, on_enqueue=dispatcher.notify)
     dispatcher.start()
     try:
-        running = dispatcher.submit(_job("running", 1, 100))
+        running = await jobs.submit_and_wait(_job("running", 2, 100))
         outputs = running.__aiter__()
         await anext(outputs)
-        queued = dispatcher.submit(_job("queued", 1, 2))
-        await dispatcher.cancel("queued")
+        queued = await jobs.submit_and_wait(_job("queued", 2, 2))
+        assert await jobs.cancel("queued")
         with pytest.raises(RequestAbortedError):
             await _drain(queued)
-        await dispatcher.cancel("running")
+        assert await jobs.cancel("running")
         with pytest.raises(RequestAbortedError):
             async for _ in outputs:
                 pass
-        for _ in range(250):  # the engine thread publishes stats after its next step
-            if engine.stats().num_running == 0:
-                break
-            await asyncio.sleep(0.02)
-        assert engine.stats().num_running == 0
+        await _idle(engine)  # the worker saw its publish refused and aborted the request
+        assert await backend.job_status("running") is JobStatus.CANCELLED
+        assert await backend.job_status("queued") is JobStatus.CANCELLED
     finally:
-        await dispatcher.aclose()
+        await dispatcher.aclose(0)
+        await jobs.aclose()
 
 
-async def test_close_fails_queued_jobs_and_refuses_new_ones(engine) -> None:
-    dispatcher = Dispatcher(LocalQueue(), engine)  # never started: everything stays queued
-    waiting = dispatcher.submit(_job("waiting", 1, 2))
-    await dispatcher.aclose()
+async def test_resumed_job_continues_after_streamed_tokens(engine) -> None:
+    """A worker died after streaming 5 tokens: the next one continues at token 6."""
+    reference = await _reference(engine, 12)
+    backend = MemoryBackend(TIERS)
+    jobs = JobClient(backend)
+    stream = await jobs.submit_and_wait(_job("resume", 2, 12))
+    dead = await backend.dispatch("dead-worker", lease_ms=100)
+    assert dead is not None
+    assert await backend.publish_tokens("resume", "dead-worker", ())
+    assert await backend.publish_tokens("resume", "dead-worker", reference[:5])
+    assert await backend.reclaim_expired_leases(now_ms=int(time.time() * 1000) + 1_000)
+    dispatcher = Dispatcher(backend, engine, config=FAST)
+    dispatcher.start()
+    try:
+        outputs = await asyncio.wait_for(_drain(stream), 30)
+    finally:
+        await dispatcher.aclose(0)
+        await jobs.aclose()
+    assert _tokens(outputs) == reference  # no duplicate, no gap
+    assert outputs[-1].num_output_tokens == 12
+
+
+class SlowConsumer:
+    """The real engine, read slowly: its worker publishes a token every 20 ms, so a drain
+    surely catches the job mid-stream."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+
+    def can_accept(self, rank=None) -> bool:
+        return self._engine.can_accept(rank)
+
+    def abort(self, request_id: str) -> None:
+        self._engine.abort(request_id)
+
+    async def generate(self, *args, **kwargs):
+        async with contextlib.aclosing(self._engine.generate(*args, **kwargs)) as outputs:
+            async for output in outputs:
+                await asyncio.sleep(0.02)
+                yield output
+
+
+async def test_drain_requeues_running_work_for_another_worker(engine) -> None:
+    client = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
+    keys = unique_keys()
+    backend = RedisBackend(client, keys=keys)
+    await backend.configure_tiers(TIERS)
+    reference = await _reference(engine, 40)
+    jobs = JobClient(backend, poll_ms=100)
+    first = Dispatcher(backend, SlowConsumer(engine), worker_id="first", config=FAST)
+    second = Dispatcher(backend, engine, worker_id="second", config=FAST)
+    try:
+        stream = await jobs.submit_and_wait(_job("drained", 2, 40))
+        first.start()
+        outputs = stream.__aiter__()
+        seen = [await anext(outputs) for _ in range(3)]
+        await first.aclose(drain_timeout_s=0)  # SIGTERM with no time to finish
+        assert await backend.job_status("drained") is JobStatus.QUEUED
+        await _idle(engine)
+        second.start()
+        seen += [o async for o in outputs]
+        assert _tokens(seen) == reference
+        assert await backend.job_status("drained") is JobStatus.DONE
+        assert first.num_dispatched == 1
+        assert second.num_dispatched == 1
+    finally:
+        await second.aclose(0)
+        await jobs.aclose()
+        await delete_keys(client, keys)
+        await client.aclose()
+
+
+async def test_queue_timeout_when_no_worker_takes_the_job() -> None:
+    backend = MemoryBackend(TIERS)
+    jobs = JobClient(backend)
+    stream = await jobs.submit_and_wait(_job("late", 0, 2, max_queue_ms=50), queue_timeout_ms=80)
+    with pytest.raises(QueueTimeoutError):
+        await _drain(stream)
+    assert await backend.job_status("late") is JobStatus.CANCELLED
+
+
+async def test_closed_client_fails_open_streams_and_refuses_new_jobs() -> None:
+    backend = MemoryBackend(TIERS)
+    jobs = JobClient(backend)  # no worker: everything stays queued
+    waiting = await jobs.submit_and_wait(_job("waiting", 2, 2))
+    await jobs.aclose()
     with pytest.raises(EngineDeadError):
         await _drain(waiting)
     with pytest.raises(EngineDeadError):
-        dispatcher.submit(_job("late", 1, 2))
+        jobs.submit(_job("late", 2, 2))
+    assert await backend.job_status("waiting") is JobStatus.CANCELLED

@@ -1,0 +1,99 @@
+"""/admin/v1/queues: live queue depth per tier and tenant, live workers, fleet capacity.
+
+Also the queue depth telemetry reads: `QueueMonitor` keeps a snapshot refreshed in the
+background, because metric callbacks are synchronous and must not wait on Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+from collections.abc import Mapping
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from gateway.errors import AuthenticationError, error_response
+from scheduler.backend import FleetCapacity, QueueBackend, TierDepth
+
+log = logging.getLogger(__name__)
+
+
+def _check_admin(admin_token: str, request: Request) -> None:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    ok = bool(admin_token) and scheme.lower() == "bearer"
+    if not hmac.compare_digest(token.strip().encode(), admin_token.encode()) or not ok:
+        raise AuthenticationError("Invalid or missing admin token", code="invalid_admin_token")
+
+
+def queues_view(depth: Mapping[str, TierDepth], capacity: FleetCapacity) -> dict:
+    """The JSON body of GET /admin/v1/queues."""
+    return {
+        "object": "queues",
+        "tiers": {
+            tier: {
+                "queued_jobs": d.num_jobs,
+                "tenants": {
+                    tenant: {
+                        "queued_jobs": t.num_jobs,
+                        "queued_prompt_tokens": t.num_prefill_tokens,
+                        "queued_max_tokens": t.num_decode_tokens,
+                    }
+                    for tenant, t in sorted(d.tenants.items())
+                },
+            }
+            for tier, d in sorted(depth.items())
+        },
+        "workers": {
+            "live": capacity.num_workers,
+            "prefill_tokens_per_s": capacity.prefill_tokens_per_s,
+            "decode_tokens_per_s": capacity.decode_tokens_per_s,
+        },
+    }
+
+
+def queue_routes(backend: QueueBackend, admin_token: str) -> list[BaseRoute]:
+    """GET /queues (mounted under /admin/v1), admin token required."""
+
+    async def queues(request: Request) -> Response:
+        try:
+            _check_admin(admin_token, request)
+            return JSONResponse(queues_view(await backend.depth(), await backend.fleet_capacity()))
+        except Exception as exc:
+            return error_response(exc)
+
+    return [Route("/queues", queues, methods=["GET"])]
+
+
+class QueueMonitor:
+    """Queued jobs per tier, refreshed every `interval_s` for synchronous readers."""
+
+    def __init__(self, backend: QueueBackend, *, interval_s: float = 1.0) -> None:
+        self._backend = backend
+        self._interval_s = interval_s
+        self._depth: dict[str, int] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def depth_by_tier(self) -> Mapping[str, int]:
+        return dict(self._depth)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="queue-monitor")
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                depth = await self._backend.depth()
+                self._depth = {tier: d.num_jobs for tier, d in depth.items()}
+            except Exception as exc:  # the queue may be down; keep the last snapshot
+                log.debug("queue depth unavailable: %r", exc)
+            await asyncio.sleep(self._interval_s)
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task

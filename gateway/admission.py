@@ -1,0 +1,151 @@
+"""Admission at the gateway: rate limits, SLO admission and enqueue, as HTTP errors.
+
+After a request is authenticated and validated, `Admission.reserve` takes one request
+and prompt + max_tokens tokens from the tenant's RPM/TPM buckets and a concurrency slot;
+`Admission.enqueue` refuses work its tier's TTFT SLO cannot cover (predicted from the
+work queued ahead and the fleet's measured capacity) and queues the rest. The unused
+part of the reservation is refunded when the request ends (`release_soon`).
+
+The scheduler's refusals become the gateway's typed errors here, with the
+`x-ratelimit-*` headers and the real wait as Retry-After; the error table renders them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from gateway.auth import Principal
+from gateway.errors import RateLimitedError, ServiceUnavailableError
+from gateway.tiers import TierPolicy
+from scheduler.admission import AdmissionConfig, NoCapacityError, SloUnattainableError, check_slo
+from scheduler.backend import (
+    BackendUnavailableError,
+    QueueBackend,
+    QueueFullError,
+    UnknownTierError,
+)
+from scheduler.job import Job
+from scheduler.policy import TierConfig
+from scheduler.rate_limit import RateLimitExceededError, Reservation, TenantLimits
+from scheduler.results import JobClient, JobStream
+
+log = logging.getLogger(__name__)
+
+RATE_LIMIT_CODES = {
+    "requests": "rate_limit_exceeded",
+    "tokens": "rate_limit_exceeded",
+    "concurrency": "concurrency_limit_exceeded",
+}
+
+
+def tier_config(tier: TierPolicy) -> TierConfig:
+    """What the queue needs to know about a tier row."""
+    return TierConfig(
+        name=tier.name, rank=tier.rank, min_share=tier.min_share, ttft_slo_ms=tier.ttft_slo_ms
+    )
+
+
+def unavailable(exc: BackendUnavailableError) -> ServiceUnavailableError:
+    return ServiceUnavailableError(
+        "The request queue is unreachable; retry shortly.", code="queue_unavailable"
+    )
+
+
+class Admission:
+    """Rate limits, SLO admission and enqueue for one gateway process."""
+
+    def __init__(
+        self,
+        limiter: Any,  # MemoryRateLimiter or RedisRateLimiter
+        jobs: JobClient,
+        *,
+        config: AdmissionConfig | None = None,
+        queue_timeout_grace_ms: float = 250.0,
+        on_unknown_tier: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        self._limiter = limiter
+        self._on_unknown_tier = on_unknown_tier
+        self._jobs = jobs
+        self._config = config or AdmissionConfig()
+        self._grace_ms = queue_timeout_grace_ms
+        self._releases: set[asyncio.Task[None]] = set()
+
+    @property
+    def backend(self) -> QueueBackend:
+        return self._jobs.backend
+
+    async def reserve(self, principal: Principal, num_tokens: int) -> Reservation:
+        """Take a request and `num_tokens` tokens from the tenant's limits, or raise
+        RateLimitedError (429) with the real wait and the x-ratelimit-* headers."""
+        limits = TenantLimits(
+            rpm=principal.rpm, tpm=principal.tpm, max_concurrency=principal.max_concurrency
+        )
+        try:
+            return await self._limiter.reserve(principal.tenant_id, limits, num_tokens)
+        except RateLimitExceededError as exc:
+            retry_s = None if exc.retry_after_ms is None else exc.retry_after_ms / 1000.0
+            raise RateLimitedError(
+                exc.message,
+                code=RATE_LIMIT_CODES[exc.limit],
+                retry_after_s=retry_s,
+                headers=exc.status.headers(),
+            ) from exc
+        except BackendUnavailableError as exc:
+            raise unavailable(exc) from exc
+
+    async def enqueue(
+        self, job: Job, tier: TierPolicy, *, headers: dict[str, str] | None = None
+    ) -> JobStream:
+        """SLO admission, then enqueue; returns the job's result stream."""
+        headers = headers or {}
+        try:
+            await check_slo(self.backend, job, tier_config(tier), self._config)
+            timeout_ms = None if job.max_queue_ms is None else job.max_queue_ms + self._grace_ms
+            try:
+                return await self._jobs.submit_and_wait(job, queue_timeout_ms=timeout_ms)
+            except UnknownTierError:
+                # The queue lost its tier table (Redis restarted empty, or a new tier
+                # raced its announcement): copy it again from SQL and retry once.
+                if self._on_unknown_tier is None:
+                    raise
+                await self._on_unknown_tier()
+                return await self._jobs.submit_and_wait(job, queue_timeout_ms=timeout_ms)
+        except SloUnattainableError as exc:
+            raise RateLimitedError(
+                str(exc),
+                code="slo_unattainable",
+                retry_after_s=exc.retry_after_ms / 1000.0,
+                headers=headers,
+            ) from exc
+        except QueueFullError as exc:
+            raise RateLimitedError(
+                f"The {exc.tier!r} queue is full; retry later.", code="queue_full", headers=headers
+            ) from exc
+        except NoCapacityError as exc:
+            raise ServiceUnavailableError(
+                "No worker is available to serve this request.", code="no_capacity"
+            ) from exc
+        except BackendUnavailableError as exc:
+            raise unavailable(exc) from exc
+
+    def release_soon(self, reservation: Reservation | None, num_used_tokens: int) -> None:
+        """Refund the unused tokens and free the concurrency slot, in the background (the
+        request has answered already). A lost release lapses after the hold time."""
+        if reservation is None:
+            return
+        task = asyncio.create_task(self._release(reservation, num_used_tokens))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _release(self, reservation: Reservation, num_used_tokens: int) -> None:
+        try:
+            await self._limiter.release(reservation, num_used_tokens)
+        except Exception as exc:
+            log.warning("could not release a rate limit reservation: %r", exc)
+
+    async def aclose(self) -> None:
+        if self._releases:
+            await asyncio.gather(*self._releases, return_exceptions=True)

@@ -1,0 +1,70 @@
+"""Choosing the queue backend and rate limiter from the settings.
+
+Without TIERGATE_REDIS_URL the queue and the rate limits live in this process
+(MemoryBackend, MemoryRateLimiter): right for the one-process `serve`. With it, every
+gateway and worker shares them through Redis. The Redis client fails fast (short socket
+timeouts, no retries), so a Redis outage turns into quick 503s rather than hung
+requests, and keeps no state of its own, so service resumes as soon as Redis is back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from scheduler.backend import QueueBackend
+from scheduler.keys import KeySpace
+from scheduler.memory_backend import MemoryBackend
+from scheduler.rate_limit import MemoryRateLimiter, RedisRateLimiter
+from scheduler.redis_backend import RedisBackend
+
+# A result read blocks up to RESULT_POLL_MS; the socket timeout must stay above it.
+RESULT_POLL_MS = 500
+SOCKET_TIMEOUT_S = 2.0
+CONNECT_TIMEOUT_S = 1.0
+
+
+@dataclass
+class QueueSetup:
+    backend: QueueBackend
+    limiter: Any  # MemoryRateLimiter or RedisRateLimiter: the same reserve/release
+    redis: aioredis.Redis | None = None
+    keys: KeySpace | None = None
+
+    @property
+    def is_shared(self) -> bool:
+        return self.redis is not None
+
+    def key(self, suffix: str) -> str:
+        """A key of this deployment outside the scheduler's families."""
+        return (self.keys or KeySpace()).prefix + suffix
+
+    async def aclose(self) -> None:
+        await self.backend.aclose()
+
+
+def redis_client(url: str) -> aioredis.Redis:
+    """A client that gives up quickly when Redis is unreachable."""
+    return aioredis.Redis.from_url(
+        url,
+        decode_responses=True,
+        socket_timeout=SOCKET_TIMEOUT_S,
+        socket_connect_timeout=CONNECT_TIMEOUT_S,
+        retry=Retry(NoBackoff(), 0),
+        health_check_interval=0,
+    )
+
+
+def build_queue(redis_url: str | None, redis_prefix: str) -> QueueSetup:
+    """The shared Redis queue when a URL is given, else the in-process one."""
+    if not redis_url:
+        return QueueSetup(MemoryBackend(), MemoryRateLimiter())
+    client = redis_client(redis_url)
+    keys = KeySpace(redis_prefix)
+    return QueueSetup(
+        RedisBackend(client, keys=keys), RedisRateLimiter(client, keys=keys), client, keys
+    )

@@ -1,0 +1,296 @@
+"""The gateway's end of a job: enqueue it, then read its result channel as a stream.
+
+A gateway never talks to an engine. It puts an admitted job on the shared queue
+(`JobClient.submit`) and iterates the returned `JobStream`, which turns the job's result
+events (published by whichever worker holds the job, possibly several in turn after a
+worker died) into `StreamOutput`s. Cancelling the job (the client went away) removes it
+from the queue, or makes its worker abort it at its next publish or heartbeat.
+
+The first event a worker publishes for a lease carries no tokens: it marks the moment
+the job left the queue, so the gateway can report the queue wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from engine.errors import EngineDeadError, RequestAbortedError
+from scheduler.backend import QUEUE_TIMEOUT, EventKind, JobStatus, QueueBackend, ResultEvent
+from scheduler.job import Job
+
+# Codes a worker ends a stream with (ResultEvent.code).
+ENGINE_ERROR = "engine_error"
+INVALID_REQUEST = "invalid_request"
+WORKER_SHUTDOWN = "worker_shutdown"
+
+
+class QueueTimeoutError(Exception):
+    """The job waited in the queue longer than its tier's max_queue_ms and was dropped."""
+
+    def __init__(self, job_id: str, max_queue_ms: float | None) -> None:
+        super().__init__(
+            f"request {job_id} waited longer than the tier's queue limit "
+            f"({max_queue_ms or 0:.0f} ms) and was dropped; retry later"
+        )
+        self.job_id = job_id
+        self.max_queue_ms = max_queue_ms
+
+
+class JobFailedError(Exception):
+    """A worker ended the job with an error (code says which, message says why)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message or code)
+        self.code = code
+        self.message = message or code
+
+
+class JobInvalidError(JobFailedError):
+    """The engine refused the job's parameters (a worker saw what the gateway missed)."""
+
+
+@dataclass(frozen=True)
+class StreamOutput:
+    """One step of a job as the gateway sees it (the fields of engine RequestOutput the
+    routes read): this event's tokens and text, and the running counts."""
+
+    new_token_ids: tuple[int, ...]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+_END = object()
+
+
+class JobStream:
+    """The caller's end of one queued job; iterate it for StreamOutputs.
+
+    Iteration ends after the finished output; raises QueueTimeoutError if the queue
+    dropped the job, JobFailedError if its worker failed it, RequestAbortedError if it
+    was cancelled, and the backend's error (BackendUnavailableError) if the queue
+    cannot be read.
+    """
+
+    def __init__(self, job: Job, enqueued_s: float) -> None:
+        self.job = job
+        self.enqueued_s = enqueued_s  # monotonic
+        self.dispatched_s: float | None = None  # monotonic, the first lease's start marker
+        self.num_output_tokens = 0
+        self._items: asyncio.Queue[Any] = asyncio.Queue()
+        self._reader: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        self._ended = False
+
+    @property
+    def queue_wait_ms(self) -> float | None:
+        if self.dispatched_s is None:
+            return None
+        return (self.dispatched_s - self.enqueued_s) * 1000.0
+
+    @property
+    def is_dispatched(self) -> bool:
+        return self.dispatched_s is not None
+
+    def _start(self, events: AsyncIterator[ResultEvent]) -> None:
+        self._reader = asyncio.create_task(self._read(events), name=f"results-{self.job.job_id}")
+
+    async def _read(self, events: AsyncIterator[ResultEvent]) -> None:
+        try:
+            async for event in events:
+                if event.kind is EventKind.TOKENS:
+                    if self.dispatched_s is None:
+                        self.dispatched_s = time.monotonic()
+                    if not event.token_ids and not event.text:
+                        continue  # the lease marker
+                    self.num_output_tokens += len(event.token_ids)
+                    self._put(self._output(event, finished=False))
+                elif event.kind is EventKind.DONE:
+                    if self.dispatched_s is None:
+                        self.dispatched_s = time.monotonic()
+                    self._put(self._output(event, finished=True))
+                    self._end(None)
+                    return
+                else:
+                    self._end(self._error(event))
+                    return
+            self._end(RequestAbortedError(f"request {self.job.job_id} ended without a result"))
+        except asyncio.CancelledError:
+            self._end(RequestAbortedError(f"request {self.job.job_id} was cancelled"))
+            raise
+        except Exception as exc:
+            self._end(exc)
+
+    def _output(self, event: ResultEvent, *, finished: bool) -> StreamOutput:
+        return StreamOutput(
+            new_token_ids=event.token_ids,
+            text_delta=event.text,
+            finished=finished,
+            finish_reason=event.finish_reason or None if finished else None,
+            num_prompt_tokens=self.job.num_prompt_tokens,
+            num_output_tokens=self.num_output_tokens,
+        )
+
+    def _error(self, event: ResultEvent) -> BaseException:
+        if event.code == QUEUE_TIMEOUT:
+            return QueueTimeoutError(self.job.job_id, self.job.max_queue_ms)
+        if event.code == INVALID_REQUEST:
+            return JobInvalidError(event.code, event.message)
+        if event.code == WORKER_SHUTDOWN:
+            return EngineDeadError(event.message or "the worker shut down")
+        return JobFailedError(event.code or ENGINE_ERROR, event.message)
+
+    def _put(self, output: StreamOutput) -> None:
+        self._items.put_nowait(output)
+
+    def _end(self, error: BaseException | None) -> None:
+        if not self._ended:
+            self._ended = True
+            self._items.put_nowait(_END if error is None else error)
+            watchdog = self._watchdog
+            if watchdog is not None and watchdog is not asyncio.current_task():
+                watchdog.cancel()
+
+    async def _stop(self, error: BaseException) -> None:
+        self._end(error)
+        if self._reader is not None and not self._reader.done():
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._reader
+
+    def __aiter__(self) -> AsyncIterator[StreamOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[StreamOutput]:
+        while True:
+            item = await self._items.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finished:
+                return
+
+
+class JobClient:
+    """Submits jobs to the queue and follows their result channels (the gateway side).
+
+    `on_enqueue` is called after each successful enqueue: a worker in the same process
+    uses it to look at the queue at once instead of at its next poll.
+    """
+
+    def __init__(
+        self,
+        backend: QueueBackend,
+        *,
+        poll_ms: int = 500,
+        on_enqueue: Callable[[], None] | None = None,
+    ) -> None:
+        self._backend = backend
+        self._poll_ms = poll_ms
+        self._on_enqueue = on_enqueue
+        self._streams: dict[str, JobStream] = {}
+        self._closed = False
+
+    @property
+    def backend(self) -> QueueBackend:
+        return self._backend
+
+    @property
+    def num_open(self) -> int:
+        return len(self._streams)
+
+    async def submit_and_wait(
+        self, job: Job, *, queue_timeout_ms: float | None = None
+    ) -> JobStream:
+        """Enqueue the job and return the stream of its results. The queue's refusals
+        raise here: QueueFullError, UnknownTierError, BackendUnavailableError.
+
+        With `queue_timeout_ms`, a job still queued after that long is dropped and its
+        stream raises QueueTimeoutError (the queue also drops timed-out jobs, but only
+        when a worker asks it for work, which a busy fleet may not do for a while).
+        """
+        stream = self._open(job)
+        try:
+            await self._backend.enqueue(job)
+        except BaseException:
+            self._streams.pop(job.job_id, None)
+            raise
+        stream._start(self._follow(job.job_id))
+        if queue_timeout_ms is not None:
+            stream._watchdog = asyncio.create_task(self._expire(stream, queue_timeout_ms))
+        if self._on_enqueue is not None:
+            self._on_enqueue()
+        return stream
+
+    async def _expire(self, stream: JobStream, timeout_ms: float) -> None:
+        await asyncio.sleep(timeout_ms / 1000.0)
+        job_id = stream.job.job_id
+        if stream.is_dispatched or stream._ended:
+            return
+        with contextlib.suppress(Exception):
+            if await self._backend.job_status(job_id) is not JobStatus.QUEUED:
+                return
+            if await self._backend.cancel(job_id):
+                self._streams.pop(job_id, None)
+                await stream._stop(QueueTimeoutError(job_id, stream.job.max_queue_ms))
+
+    def submit(self, job: Job) -> JobStream:
+        """Enqueue the job in the background and return its stream at once; a refusal
+        of the queue raises from the stream's iteration."""
+        stream = self._open(job)
+        stream._start(self._enqueue_then_follow(job))
+        return stream
+
+    def _open(self, job: Job) -> JobStream:
+        if self._closed:
+            raise EngineDeadError("the server is shutting down")
+        stream = JobStream(job, time.monotonic())
+        self._streams[job.job_id] = stream
+        return stream
+
+    async def _enqueue_then_follow(self, job: Job) -> AsyncIterator[ResultEvent]:
+        try:
+            await self._backend.enqueue(job)
+        except BaseException:
+            self._streams.pop(job.job_id, None)
+            raise
+        if self._on_enqueue is not None:
+            self._on_enqueue()
+        async for event in self._follow(job.job_id):
+            yield event
+
+    async def _follow(self, job_id: str) -> AsyncIterator[ResultEvent]:
+        try:
+            async for event in self._backend.results(job_id, poll_ms=self._poll_ms):
+                yield event
+        finally:
+            self._streams.pop(job_id, None)
+
+    async def cancel(self, job_id: str) -> bool:
+        """Drop the job from the queue, or have its worker abort it. Idempotent; True if
+        the queue still held the job (queued or running)."""
+        stream = self._streams.pop(job_id, None)
+        try:
+            cancelled = await self._backend.cancel(job_id)
+        finally:
+            if stream is not None:
+                await stream._stop(RequestAbortedError(f"request {job_id} was cancelled"))
+        return cancelled
+
+    async def aclose(self) -> None:
+        """Cancel every open job; their streams raise EngineDeadError (shutting down)."""
+        self._closed = True
+        for job_id, stream in list(self._streams.items()):
+            self._streams.pop(job_id, None)
+            await stream._stop(EngineDeadError("the server is shutting down"))
+            with contextlib.suppress(Exception):
+                await self._backend.cancel(job_id)
