@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from kernels._checks import (
     FLOAT_DTYPES,
@@ -273,8 +274,8 @@ def decode_attention_ref(
     q: `[num_seqs, num_heads, head_dim]`; caches: `[num_blocks, block_size, num_kv_heads,
     head_dim]`; block_tables: `[num_seqs, max_blocks_per_seq]` int; context_lens:
     `[num_seqs]` int, each in [1, max_blocks_per_seq * block_size] (ValueError otherwise).
-    Gathers every sequence's keys up to the longest context, masks the tail, and runs
-    softmax(q k^T * scale) v in float32.
+    Gathers every sequence's keys up to the longest context in one copy, masks the tail,
+    and runs softmax(q k^T * scale) v in float32 as one batched attention call.
     """
     _check(q, k_cache, v_cache, block_tables, context_lens)
     num_seqs, num_heads, head_dim = q.shape
@@ -283,24 +284,31 @@ def decode_attention_ref(
         return torch.empty_like(q)
     lens = context_lens.long()
     capacity = block_tables.shape[1] * block_size
-    if int(lens.min()) < 1 or int(lens.max()) > capacity:
+    min_len, max_len = (int(x) for x in torch.stack((lens.min(), lens.max())).tolist())
+    if min_len < 1 or max_len > capacity:
         raise ValueError(
             f"context_lens must lie in [1, {capacity}] (max_blocks_per_seq * block_size)"
         )
-    num_used_blocks = math.ceil(int(lens.max()) / block_size)
+    num_used_blocks = math.ceil(max_len / block_size)
     block_starts = torch.arange(num_used_blocks, device=q.device) * block_size
     # Padding entries may hold anything (-1, stale ids): point them at block 0, then mask.
     is_used = block_starts[None, :] < lens[:, None]
-    tables = torch.where(is_used, block_tables[:, :num_used_blocks].long(), 0)
-    if int(tables.max()) >= num_blocks or int(tables.min()) < 0:
+    tables = torch.where(is_used, block_tables[:, :num_used_blocks].long(), 0).reshape(-1)
+    min_id, max_id = torch.stack((tables.min(), tables.max())).tolist()
+    if min_id < 0 or max_id >= num_blocks:
         raise ValueError(f"block_tables holds a block id outside [0, {num_blocks})")
-    max_len = num_used_blocks * block_size
-    keys = k_cache[tables].reshape(num_seqs, max_len, num_kv_heads, head_dim).float()
-    values = v_cache[tables].reshape(num_seqs, max_len, num_kv_heads, head_dim).float()
+    padded_len = num_used_blocks * block_size
+    # index_select copies whole blocks (contiguous rows); the transposes below are views,
+    # so the gathered keys and values are copied once and never re-laid out.
+    shape = (num_seqs, padded_len, num_kv_heads, head_dim)
+    keys = k_cache.index_select(0, tables).view(shape).transpose(1, 2).float()
+    values = v_cache.index_select(0, tables).view(shape).transpose(1, 2).float()
+    # GQA without repeating K/V: the query heads sharing a KV head become that head's
+    # query rows, [num_seqs, num_kv_heads, group, head_dim].
     group = num_heads // num_kv_heads
     queries = q.float().reshape(num_seqs, num_kv_heads, group, head_dim)
-    scores = torch.einsum("skgd,stkd->skgt", queries, keys) * scale
-    is_past_end = torch.arange(max_len, device=q.device)[None, :] >= lens[:, None]
-    scores.masked_fill_(is_past_end[:, None, None, :], float("-inf"))
-    out = torch.einsum("skgt,stkd->skgd", scores.softmax(dim=-1), values)
+    is_live = torch.arange(padded_len, device=q.device)[None, :] < lens[:, None]
+    out = F.scaled_dot_product_attention(
+        queries, keys, values, attn_mask=is_live[:, None, None, :], scale=scale
+    )
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
