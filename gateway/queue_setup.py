@@ -26,6 +26,8 @@ from scheduler.redis_backend import RedisBackend
 RESULT_POLL_MS = 500
 SOCKET_TIMEOUT_S = 2.0
 CONNECT_TIMEOUT_S = 1.0
+# Every open result stream holds a connection while it waits (XREAD BLOCK).
+MAX_CONNECTIONS = 4096
 
 
 @dataclass
@@ -56,6 +58,7 @@ def redis_client(url: str) -> aioredis.Redis:
         socket_connect_timeout=CONNECT_TIMEOUT_S,
         retry=Retry(NoBackoff(), 0),
         health_check_interval=0,
+        max_connections=MAX_CONNECTIONS,
     )
 
 
