@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from kernels._checks import (
     FLOAT_DTYPES,
@@ -243,7 +244,8 @@ def prefill_attention_ref(
     q: `[total_q_tokens, num_heads, head_dim]`; caches: `[num_blocks, block_size,
     num_kv_heads, head_dim]`; block_tables: `[num_seqs, max_blocks_per_seq]` int;
     cu_seqlens_q: `[num_seqs + 1]` int; context_lens: `[num_seqs]` int, counting the
-    chunk. One sequence at a time: gather its keys, causal mask, softmax in float32.
+    chunk. One sequence at a time (a step holds few prefill chunks): gather its keys with
+    one block copy, causal mask, one attention call in float32.
     """
     _check(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens)
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -256,16 +258,25 @@ def prefill_attention_ref(
         start, end = bounds[seq], bounds[seq + 1]
         if start == end:
             continue
+        num_queries = end - start
         blocks = block_tables[seq, : math.ceil(context_len / block_size)].long()
-        if int(blocks.min()) < 0 or int(blocks.max()) >= num_blocks:
+        min_id, max_id = torch.stack((blocks.min(), blocks.max())).tolist()
+        if min_id < 0 or max_id >= num_blocks:
             raise ValueError(f"block_tables holds a block id outside [0, {num_blocks})")
-        keys = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:context_len].float()
-        values = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:context_len].float()
-        queries = q[start:end].float().reshape(end - start, num_kv_heads, group, head_dim)
-        scores = torch.einsum("qkgd,tkd->kgqt", queries, keys) * scale
-        positions = torch.arange(context_len - (end - start), context_len, device=q.device)
-        is_future = torch.arange(context_len, device=q.device)[None, :] > positions[:, None]
-        scores.masked_fill_(is_future, float("-inf"))
-        chunk = torch.einsum("kgqt,tkd->qkgd", scores.softmax(dim=-1), values)
-        out[start:end] = chunk.reshape(end - start, num_heads, head_dim).to(q.dtype)
+        # [num_kv_heads, context_len, head_dim] views of one contiguous block copy.
+        keys = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:context_len]
+        values = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:context_len]
+        keys, values = keys.transpose(0, 1).float(), values.transpose(0, 1).float()
+        # GQA without repeating K/V: query (token i, head g of a group) is row i * group + g
+        # of its KV head, so each row's causal limit is its token's position.
+        queries = q[start:end].float().view(num_queries, num_kv_heads, group, head_dim)
+        queries = queries.transpose(0, 1).reshape(num_kv_heads, num_queries * group, head_dim)
+        positions = torch.arange(context_len - num_queries, context_len, device=q.device)
+        is_visible = torch.arange(context_len, device=q.device)[None, :] <= positions[:, None]
+        is_visible = is_visible.repeat_interleave(group, dim=0)
+        chunk = F.scaled_dot_product_attention(
+            queries[None], keys[None], values[None], attn_mask=is_visible, scale=scale
+        )
+        chunk = chunk.view(num_kv_heads, num_queries, group, head_dim).transpose(0, 1)
+        out[start:end] = chunk.reshape(num_queries, num_heads, head_dim).to(q.dtype)
     return out
