@@ -1,10 +1,12 @@
 """Engine throughput against transformers, same machine, same model, same prompts.
 
-    python -m benchmarks.engine_throughput --quick     # a few minutes on 2 CPU cores
-    python -m benchmarks.engine_throughput             # the full workload
+    python -m benchmarks.engine_throughput --quick --threads 1   # minutes on 2 CPU cores
+    python -m benchmarks.engine_throughput --threads 2           # the full workload
 
 Model: a random Llama checkpoint, 8 layers x hidden 512 (written with save_pretrained).
-Workload: mixed prompt lengths and output lengths 16..512 tokens, ignore_eos, greedy.
+Workload: mixed prompt lengths (uniform) and output lengths 16..512 tokens drawn
+log-uniformly (long-tailed, as in real traffic: the distribution's median is ~90
+tokens, its mean ~143, its top decile above ~360), ignore_eos, greedy. The same batch size bounds all three.
 Compared, each generating exactly the requested tokens of every request:
   (a) transformers `generate` in static batches (a batch runs to its longest output),
   (b) transformers continuous batching (`generate_batch`'s manager, num_blocks and
@@ -19,6 +21,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
+import os
 import random
 import statistics
 import tempfile
@@ -66,14 +70,34 @@ class _Stopwatch:
         return Timing(time.perf_counter() - self._wall_s, time.process_time() - self._cpu_s)
 
 
+MIN_PROMPT_LEN = MIN_OUTPUT_LEN = 16
+
+
 def make_workload(num_requests: int, max_prompt_len: int, max_output_len: int, vocab: int):
+    """Prompt lengths uniform in [16, max_prompt_len]; output lengths log-uniform in
+    [16, max_output_len] (every doubling of the length is equally likely)."""
     rng = random.Random(0)
     prompts = [
-        [rng.randrange(4, vocab) for _ in range(rng.randint(16, max_prompt_len))]
+        [rng.randrange(4, vocab) for _ in range(rng.randint(MIN_PROMPT_LEN, max_prompt_len))]
         for _ in range(num_requests)
     ]
-    output_lens = [rng.randint(16, max_output_len) for _ in range(num_requests)]
+    low, high = math.log(MIN_OUTPUT_LEN), math.log(max_output_len + 1)
+    output_lens = [
+        min(max_output_len, int(math.exp(rng.uniform(low, high)))) for _ in range(num_requests)
+    ]
     return Workload(prompts, output_lens)
+
+
+def describe_lengths(lengths: list[int]) -> str:
+    ordered = sorted(lengths)
+
+    def percentile(q: float) -> int:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return (
+        f"min {ordered[0]}, p25 {percentile(0.25)}, median {percentile(0.5)}, "
+        f"mean {statistics.fmean(ordered):.0f}, p90 {percentile(0.9)}, max {ordered[-1]}"
+    )
 
 
 def run_hf_static(model, workload: Workload, batch_size: int) -> Timing:
@@ -150,6 +174,10 @@ def run_engine(checkpoint: Path, workload: Workload, args) -> tuple[Timing, LLM]
     return timing, llm
 
 
+def _load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg()) + f" ({os.cpu_count()} CPUs)"
+
+
 def _kv_bytes_per_token() -> int:
     return 2 * NUM_LAYERS * NUM_KV_HEADS * (HIDDEN_SIZE // NUM_HEADS) * 4
 
@@ -204,19 +232,19 @@ def measure_ttft(checkpoint: Path, *, chunked: bool, long_len: int, repeats: int
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smaller workload")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="batch size, all three")
     parser.add_argument("--max-batched-tokens", type=int, default=512)
     parser.add_argument("--skip-hf-continuous", action="store_true")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     # Three times more requests than batch slots: requests come and go, as in serving.
+    # Batch 16 keeps a 2-core CPU's decode step memory-bound rather than overloaded.
     if args.quick:
-        num_requests, max_prompt, max_output, batch = 48, 128, 256, 16
+        num_requests, max_prompt, max_output, batch = 48, 128, 512, 16
     else:
-        num_requests, max_prompt, max_output, batch = 96, 256, 512, 32
+        num_requests, max_prompt, max_output, batch = 96, 256, 512, 16
     args.max_num_seqs = args.max_num_seqs or batch
     args.kv_blocks = args.max_num_seqs * (max_prompt + max_output) // BLOCK_SIZE + 8
 
@@ -237,10 +265,14 @@ def main() -> None:
         workload = make_workload(num_requests, max_prompt, max_output, hf.config.vocab_size)
         total = workload.num_output_tokens
         print(
-            f"workload: {num_requests} requests, prompts 16..{max_prompt}, outputs "
-            f"16..{max_output} ({total} generated tokens), torch threads "
-            f"{torch.get_num_threads()}, batch {args.max_num_seqs}, "
-            f"step budget {args.max_batched_tokens} tokens, KV {args.kv_blocks} blocks"
+            f"workload: {num_requests} requests, {total} generated tokens, torch threads "
+            f"{torch.get_num_threads()}, batch {args.max_num_seqs} (all three), "
+            f"step budget {args.max_batched_tokens} tokens, KV {args.kv_blocks} blocks\n"
+            f"  prompt lengths uniform {MIN_PROMPT_LEN}..{max_prompt}: "
+            f"{describe_lengths([len(p) for p in workload.prompts])}\n"
+            f"  output lengths log-uniform {MIN_OUTPUT_LEN}..{max_output}: "
+            f"{describe_lengths(workload.output_lens)}\n"
+            f"  load average before: {_load_average()}"
         )
         results: dict[str, Timing] = {}
         engine_timing, llm = run_engine(checkpoint, workload, args)
@@ -267,6 +299,7 @@ def main() -> None:
                     f"{t.cpu_s / engine_timing.cpu_s:.2f}x CPU time"
                 )
         print(f"engine: {stats.num_steps} steps, {stats.num_preemptions} preemptions")
+        print(f"load average after: {_load_average()}")
 
         long_len = 2000
         repeats = 2 if args.quick else 3
