@@ -1,4 +1,5 @@
-"""The `tiergate` command: serve [--demo], migrate, admin.
+"""The `tiergate` command: serve [--demo], gateway, worker, migrate, admin, batch, usage,
+simulate.
 
 Flags mirror the TIERGATE_* environment variables and win over them; both are read here,
 once, into a frozen Settings that the composition root receives.
@@ -13,6 +14,7 @@ import secrets
 import shlex
 import sys
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 
 from gateway.errors import GatewayError
@@ -118,11 +120,24 @@ def _parser() -> argparse.ArgumentParser:
     _add_common_flags(migrate)
     migrate.set_defaults(func=_migrate)
 
+    usage = commands.add_parser("usage", help="usage records maintenance")
+    usage_commands = usage.add_subparsers(title="usage commands", metavar="COMMAND")
+    rebuild = usage_commands.add_parser(
+        "rebuild-rollup",
+        help="recompute the hourly usage rollup over a time range (after a rolling upgrade)",
+    )
+    _add_common_flags(rebuild)
+    rebuild.add_argument("--start", type=_utc_datetime, required=True, help="ISO 8601, UTC")
+    rebuild.add_argument("--end", type=_utc_datetime, required=True, help="ISO 8601, UTC")
+    rebuild.set_defaults(func=_rebuild_rollup)
+
     from gateway.admin_cli import add_admin_parser
     from gateway.batch_cli import add_batch_parser
+    from scheduler.sim.cli import add_simulate_parser
 
     add_admin_parser(commands)
     add_batch_parser(commands)
+    add_simulate_parser(commands)
     return parser
 
 
@@ -136,6 +151,41 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """Environment first, then the flags that were given."""
     return settings_from_env().with_overrides(**vars(args))
+
+
+def _configure_logging() -> None:
+    """JSON lines for log collectors; plain text when a person watches a terminal."""
+    from gateway.observability.logs import configure_logging
+
+    configure_logging(logging.INFO, is_json=not sys.stderr.isatty())
+
+
+def _utc_datetime(value: str) -> datetime:
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not an ISO 8601 time: {value!r}") from exc
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def _rebuild_rollup(args: argparse.Namespace) -> int:
+    from gateway.db.session import create_db_engine, create_sessionmaker
+    from gateway.usage import rebuild_usage_rollup
+
+    if args.end <= args.start:
+        raise SettingsError("--end must be after --start")
+    settings = settings_from_args(args)
+
+    async def rebuild() -> int:
+        db_engine = create_db_engine(settings.db_url)
+        try:
+            async with create_sessionmaker(db_engine).begin() as session:
+                return await rebuild_usage_rollup(session, args.start, args.end)
+        finally:
+            await db_engine.dispose()
+
+    print(f"usage rollup rebuilt: {asyncio.run(rebuild())} hourly rows written")
+    return 0
 
 
 def _migrate(args: argparse.Namespace) -> int:
@@ -154,7 +204,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from gateway.app import build_app
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    _configure_logging()
     settings = settings_from_args(args)
     if args.demo:
         generated = settings.admin_token is None
@@ -171,7 +221,7 @@ def _gateway(args: argparse.Namespace) -> int:
 
     from gateway.app import build_app
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    _configure_logging()
     settings = settings_from_args(args)
     if not settings.redis_url:
         raise SettingsError("tiergate gateway needs TIERGATE_REDIS_URL (or --redis-url)")
@@ -186,7 +236,7 @@ def _worker(args: argparse.Namespace) -> int:
     from scheduler.dispatcher import DispatcherConfig
     from scheduler.worker import run_worker, stop_on_signals
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    _configure_logging()
     settings = settings_from_args(args)
     if not settings.redis_url:
         raise SettingsError("tiergate worker needs TIERGATE_REDIS_URL (or --redis-url)")
