@@ -146,10 +146,10 @@ class LineRunner:
         if options.stream:
             raise InvalidRequestError("stream is not supported in a batch.", param="stream")
         routes = self._routes
-        routes._check_model(options.model)
-        prompt_ids = routes._prompt_token_ids(parsed)
-        params = routes._sampling_params(options, len(prompt_ids), chat=chat)
-        job = openai_routes._job(
+        routes.check_model(options.model)
+        prompt_ids = routes.prompt_token_ids(parsed)
+        params = routes.sampling_params(options, len(prompt_ids), chat=chat)
+        job = openai_routes.build_job(
             request_id, principal, tier, prompt_ids, params, time.time(), options
         )
         # The deadline is the batch's (creation + window), not this line's arrival + window.

@@ -166,7 +166,7 @@ class OpenAIRoutes:
 
     async def get_model(self, request: Request) -> Response:
         await self.deps.auth.authenticate(request.headers.get("authorization"))
-        self._check_model(request.path_params["model"])
+        self.check_model(request.path_params["model"])
         return JSONResponse(self._model_card())
 
     async def completions(self, request: Request) -> Response:
@@ -189,11 +189,11 @@ class OpenAIRoutes:
             options = parsed.options
             tier = await self._resolve_tier(principal, options.service_tier)
             exchange.tier = tier.name
-            self._check_model(options.model)
-            prompt_ids = self._prompt_token_ids(parsed)
+            self.check_model(options.model)
+            prompt_ids = self.prompt_token_ids(parsed)
             exchange.num_prompt_tokens = len(prompt_ids)
-            params = self._sampling_params(options, len(prompt_ids), chat=chat)
-            job = _job(request_id, principal, tier, prompt_ids, params, arrival_s, options)
+            params = self.sampling_params(options, len(prompt_ids), chat=chat)
+            job = build_job(request_id, principal, tier, prompt_ids, params, arrival_s, options)
             headers = await self._admit(exchange, job, tier)
         except (GatewayError, EngineError) as exc:
             self._finish(exchange, f"rejected:{error_code(exc)}")
@@ -264,7 +264,10 @@ class OpenAIRoutes:
             )
         return tier
 
-    def _check_model(self, model: str) -> None:
+    # check_model, prompt_token_ids, sampling_params and build_job are the endpoint's
+    # validation steps; the Batch API runs each batch line through the same ones.
+    def check_model(self, model: str) -> None:
+        """NotFoundError unless `model` is the model this server serves."""
         if model != self.deps.model.model_name:
             raise NotFoundError(
                 f"The model {model!r} does not exist; this server serves "
@@ -273,7 +276,8 @@ class OpenAIRoutes:
                 code="model_not_found",
             )
 
-    def _prompt_token_ids(self, parsed: CompletionRequest | ChatCompletionRequest) -> list[int]:
+    def prompt_token_ids(self, parsed: CompletionRequest | ChatCompletionRequest) -> list[int]:
+        """The prompt as token ids (chat template applied); a typed 400 if unusable."""
         tokenizer = self.deps.model.tokenizer
         if isinstance(parsed, ChatCompletionRequest):
             messages = [m.as_template_dict() for m in parsed.messages]
@@ -291,7 +295,7 @@ class OpenAIRoutes:
             raise InvalidRequestError("prompt must not be empty.", param="prompt")
         return ids
 
-    def _sampling_params(
+    def sampling_params(
         self, options: GenerationOptions, num_prompt_tokens: int, *, chat: bool
     ) -> SamplingParams:
         max_model_len = self.deps.model.max_model_len
@@ -421,7 +425,7 @@ def _finish_reason(output: Any) -> str | None:
     return None if reason is None else str(reason)
 
 
-def _job(
+def build_job(
     request_id: str,
     principal: Principal,
     tier: TierPolicy,
