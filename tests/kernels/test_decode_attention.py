@@ -53,6 +53,38 @@ def test_ref_empty_batch(paged_kv):
     assert out.shape == (0, 2, 64)
 
 
+def test_ref_padding_heavy_batch(paged_kv, dense_attention):
+    # One long context beside one-token ones: most of the padded gather is masked out.
+    _run_case(decode_attention_ref, paged_kv, dense_attention, [300, 1, 2, 17], (8, 2), 64, 16)
+
+
+def test_ref_strided_query_matches_contiguous(paged_kv):
+    # The model passes q sliced out of a wider projection: a view with a row stride.
+    cache = paged_kv([40, 7, 23], num_kv_heads=2, head_dim=64, block_size=16)
+    wide = torch.randn((3, 8, 96), generator=torch.Generator().manual_seed(4))
+    q = wide[..., :64]
+    args = (cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, 0.125)
+    torch.testing.assert_close(
+        decode_attention_ref(q, *args), decode_attention_ref(q.contiguous(), *args), atol=0, rtol=0
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_ref_half_precision_softmax_in_float32(paged_kv, dense_attention, dtype):
+    lens = [33, 5, 64]
+    cache = paged_kv(lens, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype)
+    q = torch.randn((3, 8, 64), generator=torch.Generator().manual_seed(5)).to(dtype)
+    out = decode_attention_ref(
+        q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, 0.125
+    )
+    assert out.dtype == dtype
+    for seq, length in enumerate(lens):
+        expected = dense_attention(
+            q[seq : seq + 1], cache.keys[seq], cache.values[seq], length - 1, 0.125
+        )
+        torch.testing.assert_close(out[seq : seq + 1].double(), expected, atol=2e-2, rtol=2e-2)
+
+
 def _valid_args(paged_kv):
     cache = paged_kv([20, 3], num_kv_heads=2, head_dim=64, block_size=16)
     q = torch.randn((2, 4, 64))

@@ -51,6 +51,29 @@ def test_ref_sequence_with_empty_chunk(paged_kv, dense_attention):
     _run_case(prefill_attention_ref, paged_kv, dense_attention, [(9, 4), (20, 0)], (4, 4), 64, 16)
 
 
+def test_ref_long_chunk_beside_short_ones(paged_kv, dense_attention):
+    seqs = [(300, 200), (3, 1), (17, 17), (129, 1)]
+    _run_case(prefill_attention_ref, paged_kv, dense_attention, seqs, (8, 2), 64, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_ref_half_precision_softmax_in_float32(paged_kv, dense_attention, dtype):
+    seqs = [(40, 40), (50, 9)]
+    cache = paged_kv([c for c, _ in seqs], num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype)
+    q = torch.randn((49, 8, 64), generator=torch.Generator().manual_seed(6)).to(dtype)
+    cu = torch.tensor([0, 40, 49], dtype=torch.int32)
+    out = prefill_attention_ref(
+        q, cache.k_cache, cache.v_cache, cache.block_tables, cu, cache.context_lens, 0.125
+    )
+    assert out.dtype == dtype
+    for seq, (context_len, query_len) in enumerate(seqs):
+        rows = slice(int(cu[seq]), int(cu[seq + 1]))
+        expected = dense_attention(
+            q[rows], cache.keys[seq], cache.values[seq], context_len - query_len, 0.125
+        )
+        torch.testing.assert_close(out[rows].double(), expected, atol=2e-2, rtol=2e-2)
+
+
 def _valid_args(paged_kv):
     cache = paged_kv([20, 9], num_kv_heads=2, head_dim=64, block_size=16)
     q = torch.randn((12, 4, 64))
