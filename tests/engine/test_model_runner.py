@@ -7,7 +7,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.errors import ContextLengthExceededError, ModelLoadError
-from engine.model_runner import ModelRunner, kv_cache_budget_bytes, num_kv_blocks
+from engine.model_runner import ModelRunner, _decode_groups, kv_cache_budget_bytes, num_kv_blocks
 from engine.models import load_model
 
 
@@ -43,3 +43,23 @@ def test_the_context_window_shrinks_to_the_kv_cache() -> None:
         llm.generate([[5] * 120], SamplingParams(max_tokens=10))
     out = llm.generate([[5] * 100], SamplingParams(max_tokens=28, ignore_eos=True))[0]
     assert out.num_output_tokens == 28
+
+
+def test_decode_groups_cover_every_row_once() -> None:
+    for num_decodes in (0, 1, 7, 8, 9, 16, 33):
+        groups = _decode_groups(num_decodes)
+        rows = [r for start, end in groups for r in range(start, end)]
+        assert rows == list(range(num_decodes))
+    assert len(_decode_groups(7)) == 1  # too few decodes to be worth extra calls
+    assert len(_decode_groups(16)) > 1
+
+
+def test_batched_greedy_tokens_equal_each_request_alone() -> None:
+    # Ten decodes of mixed context lengths share a step, so the runner sorts and groups
+    # them; each request must still get the tokens it gets when it runs alone.
+    prompts = [[5 + i] * n for i, n in enumerate([3, 40, 17, 90, 1, 33, 64, 8, 120, 25])]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    llm = LLM("tiny-random", device="cpu", max_num_seqs=16, enable_prefix_caching=False)
+    batched = [o.token_ids for o in llm.generate(prompts, params)]
+    alone = [llm.generate([p], params)[0].token_ids for p in prompts]
+    assert batched == alone
