@@ -6,7 +6,8 @@
 Model: a random Llama checkpoint, 8 layers x hidden 512 (written with save_pretrained).
 Workload: mixed prompt lengths (uniform) and output lengths 16..512 tokens drawn
 log-uniformly (long-tailed, as in real traffic: the distribution's median is ~90
-tokens, its mean ~143, its top decile above ~360), ignore_eos, greedy. The same batch size bounds all three.
+tokens, its mean ~143, its top decile above ~360), ignore_eos, greedy. One batch size
+(max_num_seqs) bounds all three.
 Compared, each generating exactly the requested tokens of every request:
   (a) transformers `generate` in static batches (a batch runs to its longest output),
   (b) transformers continuous batching (`generate_batch`'s manager, num_blocks and
