@@ -19,12 +19,10 @@ from engine.cost_model import StepCostModel
 from engine.errors import ContextLengthExceededError, InvalidRequestError
 from engine.model_runner import ModelRunner, kv_cache_budget_bytes, num_kv_blocks
 from engine.models import load_model
+from engine.phase_rates import PhaseRates
 from engine.request import FinishReason, Priority, Request, SamplingParams
 from engine.step_scheduler import SchedulerConfig, StepPlan, StepScheduler
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
-
-# Weight of the newest step in the measured token rates (exponential average).
-_RATE_SMOOTHING = 0.1
 
 
 @dataclass(frozen=True)
@@ -59,7 +57,7 @@ class EngineStats:
     kv_cache_usage: float  # fraction of blocks in use
     num_preemptions: int
     num_recomputed_tokens: int
-    prefill_tokens_per_s: float  # measured, exponentially averaged over steps
+    prefill_tokens_per_s: float  # measured, smoothed; mixed steps split by the cost model
     decode_tokens_per_s: float
     step_token_budget: int
     num_steps: int
@@ -121,8 +119,7 @@ class LLMEngine:
             scheduler_config, self.block_manager, cost_model=self.cost_model
         )
         self._tracked: dict[str, _Tracked] = {}
-        self._prefill_tokens_per_s = 0.0
-        self._decode_tokens_per_s = 0.0
+        self._rates = PhaseRates(self.cost_model)
 
     # ----------------------------------------------------------------- requests
     def validate(
@@ -268,16 +265,8 @@ class LLMEngine:
         num_seqs = len(plan.chunks)
         self.cost_model.observe(plan.num_batched_tokens, num_seqs, elapsed_s)
         num_decode = sum(1 for c in plan.chunks if c.is_decode)
-        num_prefill = plan.num_batched_tokens - num_decode
-        if elapsed_s <= 0:
-            return
-        # A mixed step's time is charged to the phase that dominates its tokens.
-        if num_prefill > num_decode:
-            self._prefill_tokens_per_s = _smooth(
-                self._prefill_tokens_per_s, num_prefill / elapsed_s
-            )
-        elif num_prefill == 0:
-            self._decode_tokens_per_s = _smooth(self._decode_tokens_per_s, num_decode / elapsed_s)
+        # Mixed steps are split between the phases by the fit just updated.
+        self._rates.record(plan.num_batched_tokens - num_decode, num_decode, num_seqs, elapsed_s)
 
     def stats(self) -> EngineStats:
         scheduler_stats = self.scheduler.stats
@@ -289,14 +278,8 @@ class LLMEngine:
             kv_cache_usage=self.block_manager.usage(),
             num_preemptions=scheduler_stats.num_preemptions,
             num_recomputed_tokens=scheduler_stats.num_recomputed_tokens,
-            prefill_tokens_per_s=self._prefill_tokens_per_s,
-            decode_tokens_per_s=self._decode_tokens_per_s,
+            prefill_tokens_per_s=self._rates.prefill_tokens_per_s,
+            decode_tokens_per_s=self._rates.decode_tokens_per_s,
             step_token_budget=self.scheduler.config.max_num_batched_tokens,
             num_steps=scheduler_stats.num_steps,
         )
-
-
-def _smooth(previous: float, sample: float) -> float:
-    if previous == 0.0:
-        return sample
-    return (1 - _RATE_SMOOTHING) * previous + _RATE_SMOOTHING * sample

@@ -221,6 +221,9 @@ class StepScheduler:
         bisect.insort(self._waiting, request, key=self._waiting_key)
 
     def _validate(self, request: Request) -> None:
+        # Lengths only, O(1): the token ids themselves are checked once at the edge
+        # (LLMEngine.validate checks type and vocabulary range); scanning every prompt
+        # token again on each add cost the simulated fleet ~15% of its time.
         if request.request_id in self._requests:
             raise InvalidRequestError(
                 f"request id {request.request_id!r} is already in use", param="request_id"
@@ -229,10 +232,6 @@ class StepScheduler:
             raise InvalidRequestError("only a new request can be added", param="request_id")
         if not request.prompt_token_ids:
             raise InvalidRequestError("the prompt must hold at least one token", param="prompt")
-        if any(
-            isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in request.all_token_ids
-        ):
-            raise InvalidRequestError("token ids must be integers >= 0", param="prompt")
         max_tokens = request.params.max_tokens
         if request.num_output_tokens >= max_tokens:
             raise InvalidRequestError(

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
 from engine.cost_model import StepCostModel
+from engine.phase_rates import PhaseRates
 from engine.request import FinishReason, Priority, Request, SamplingParams
 from engine.step_scheduler import SchedulerConfig, StepPlan, StepScheduler
 from scheduler.sim.cost_model import RooflineParams
@@ -21,16 +22,6 @@ from scheduler.sim.cost_model import RooflineParams
 # Prompts are token id 1 repeated (all prompts alike would only matter to the prefix
 # cache, which the simulator turns off: sharing is a property of real text).
 _PROMPTS: dict[int, tuple[int, ...]] = {}
-
-
-# The real engine's smoothing of its measured rates (engine/llm_engine.py).
-_RATE_SMOOTHING = 0.1
-
-
-def _smooth(previous: float, sample: float) -> float:
-    if previous == 0.0:
-        return sample
-    return (1 - _RATE_SMOOTHING) * previous + _RATE_SMOOTHING * sample
 
 
 def _prompt(num_tokens: int) -> list[int]:
@@ -111,19 +102,17 @@ class SimEngine:
         # Highest computed position per request: tokens below it run again after a
         # preemption and count as recomputed.
         self._high_water: dict[str, int] = {}
-        # Measured rates, smoothed as the real engine smooths them; the fleet publishes
-        # them to the queue, where admission reads the fleet's capacity.
-        self.prefill_tokens_per_s = 0.0
-        self.decode_tokens_per_s = 0.0
+        # Measured rates, as the real engine measures them; the fleet publishes them to
+        # the queue, where admission reads the fleet's capacity.
+        self.rates = PhaseRates(self.cost_model)
 
-    def _record_rates(self, num_prefill: int, num_decode: int, step_s: float) -> None:
-        # The engine's rule: a mixed step counts for the phase with more tokens.
-        if step_s <= 0:
-            return
-        if num_prefill > num_decode:
-            self.prefill_tokens_per_s = _smooth(self.prefill_tokens_per_s, num_prefill / step_s)
-        elif num_prefill == 0:
-            self.decode_tokens_per_s = _smooth(self.decode_tokens_per_s, num_decode / step_s)
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.rates.prefill_tokens_per_s
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.rates.decode_tokens_per_s
 
     def can_accept(self, rank: int | None = None) -> bool:
         return self.scheduler.can_accept(rank if self.mode.use_ranks else None)
@@ -178,7 +167,9 @@ class SimEngine:
         if self.cost_model is not None:
             self.cost_model.observe(plan.num_batched_tokens, len(plan.chunks), duration_s)
         num_decode = sum(1 for chunk in plan.chunks if chunk.is_decode)
-        self._record_rates(plan.num_batched_tokens - num_decode, num_decode, duration_s)
+        self.rates.record(
+            plan.num_batched_tokens - num_decode, num_decode, len(plan.chunks), duration_s
+        )
         self._plan = plan
         self.is_stepping = True
         self.num_steps += 1
@@ -290,7 +281,7 @@ class SimEngine:
         for offset in offsets[:num_steps]:
             if model is not None:
                 model.observe(n, n, offset - previous)
-            self._record_rates(0, n, offset - previous)
+            self.rates.record(0, n, n, offset - previous)
             previous = offset
         self.num_steps += num_steps
         self.busy_s += offsets[num_steps - 1]

@@ -179,3 +179,35 @@ def test_a_resumed_request_continues_where_it_left_off(llm: LLM, params) -> None
     assert [t for o in outputs for t in o.new_token_ids] == full[9:]
     with pytest.raises(InvalidRequestError, match="resumed"):
         llm.engine.add_request("too-many", PROMPT, params, resumed_token_ids=full)
+
+
+def test_decode_rate_is_measured_when_every_step_mixes_in_prefill() -> None:
+    # One long decode runs next to a stream of chunked prefills, so no step after the
+    # first is a pure decode. Counting a step only for its dominant phase never sampled
+    # the decode rate; the cost-model split samples it on every step.
+    engine = LLMEngine(
+        EngineConfig(
+            device="cpu",
+            max_num_seqs=2,
+            max_num_batched_tokens=64,
+            max_prefill_chunk_tokens=64,
+            max_model_len=512,
+            enable_prefix_caching=False,
+        )
+    )
+    engine.add_request("decoder", PROMPT, SamplingParams(max_tokens=32, ignore_eos=True))
+    rates = []
+    num_prompts = 0
+    decoding = True
+    while decoding:
+        if engine.stats().num_waiting == 0:
+            prompt = [(7 * num_prompts + i) % 500 + 3 for i in range(90 + 17 * (num_prompts % 5))]
+            engine.add_request(f"p{num_prompts}", prompt, SamplingParams(max_tokens=1))
+            num_prompts += 1
+        outputs = engine.step()
+        decoding = not any(o.request_id == "decoder" and o.finished for o in outputs)
+        rates.append(engine.stats().decode_tokens_per_s)
+    assert engine.cost_model.is_ready
+    assert rates[-1] > 0
+    # Sampled on (nearly) every step, not stuck at a first value.
+    assert len(set(rates[10:])) > 15
