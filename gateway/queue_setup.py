@@ -24,8 +24,13 @@ from scheduler.redis_backend import RedisBackend
 
 # A result read blocks up to RESULT_POLL_MS; the socket timeout must stay above it.
 RESULT_POLL_MS = 500
-SOCKET_TIMEOUT_S = 2.0
-CONNECT_TIMEOUT_S = 1.0
+# A Redis that is gone refuses connections or resets them at once, whatever these are;
+# the timeouts only matter for one that is unreachable (connect) or hung (reply). The
+# reply timeout is measured on this process's event loop, which a saturated gateway
+# runs late: at 2 s, CPU load alone turned healthy Redis calls into 503s. A reply
+# slower than 10 s means Redis is hung, not busy (a dispatch takes well under 1 ms).
+SOCKET_TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 2.0
 # Every open result stream holds a connection while it waits (XREAD BLOCK).
 MAX_CONNECTIONS = 4096
 
