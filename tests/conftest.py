@@ -16,6 +16,7 @@ import os
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -88,6 +89,19 @@ def _drop_postgres_database(url: str) -> None:
             await connection.close()
 
     _run_async(drop)
+
+
+@dataclass(frozen=True)
+class PostgresDatabases:
+    """Creates and drops throwaway PostgreSQL databases, for fixtures of any scope."""
+
+    create: Callable[..., str]  # create(template=None) -> SQLAlchemy URL
+    drop: Callable[[str], None]
+
+
+@pytest.fixture(scope="session")
+def postgres_databases() -> PostgresDatabases:
+    return PostgresDatabases(create=_create_postgres_database, drop=_drop_postgres_database)
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

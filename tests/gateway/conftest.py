@@ -8,12 +8,10 @@ the real admin API.
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +22,6 @@ import openai
 import pytest
 import uvicorn
 
-POSTGRES_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/test"
 TEST_MAX_MODEL_LEN = 256
 TEST_MAX_BODY_BYTES = 64 * 1024
 TIERS = ("priority", "interactive", "batch")
@@ -60,49 +57,20 @@ class LiveServer:
         )
 
 
-def _in_thread(coro_fn: Any) -> Any:
-    out: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            out["value"] = asyncio.run(coro_fn())
-        except BaseException as exc:
-            out["error"] = exc
-
-    thread = threading.Thread(target=target)
-    thread.start()
-    thread.join()
-    if "error" in out:
-        raise out["error"]
-    return out.get("value")
-
-
-def _postgres(statement: str) -> None:
-    import asyncpg
-
-    async def run() -> None:
-        connection = await asyncpg.connect(POSTGRES_ADMIN_URL, timeout=10)
-        try:
-            await connection.execute(statement)
-        finally:
-            await connection.close()
-
-    _in_thread(run)
-
-
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])
-def live_database_url(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[str]:
+def live_database_url(
+    request: pytest.FixtureRequest, tmp_path_factory, postgres_databases
+) -> Iterator[str]:
     """A database of this module's own: a SQLite file, or a fresh PostgreSQL database."""
     if request.param == "sqlite":
         path = tmp_path_factory.mktemp("live-sqlite") / "tiergate.db"
         yield f"sqlite+aiosqlite:///{path}"
         return
-    name = f"tg_live_{uuid.uuid4().hex[:16]}"
-    _postgres(f'CREATE DATABASE "{name}"')
+    url = postgres_databases.create()
     try:
-        yield f"postgresql+asyncpg://postgres@127.0.0.1:5432/{name}"
+        yield url
     finally:
-        _postgres(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        postgres_databases.drop(url)
 
 
 class ServerThread:
