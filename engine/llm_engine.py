@@ -177,7 +177,12 @@ class LLMEngine:
             output_token_ids=list(resumed_token_ids),
         )
         self.scheduler.add(request)
-        detokenizer = self.tokenizer.detokenizer(request.all_token_ids, params.stop)
+        detokenizer = self.tokenizer.detokenizer(prompt_token_ids, params.stop)
+        # Replay the resumed tokens as the earlier run added them (one per step), so the
+        # text it still held back (a character split across tokens, a possible stop
+        # string's start) is sent from here, not lost at the hand-over.
+        for token in resumed_token_ids:
+            detokenizer.add([token], is_last=False)
         self._tracked[request_id] = _Tracked(request, detokenizer)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

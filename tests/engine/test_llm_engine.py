@@ -181,6 +181,22 @@ def test_a_resumed_request_continues_where_it_left_off(llm: LLM, params) -> None
         llm.engine.add_request("too-many", PROMPT, params, resumed_token_ids=full)
 
 
+def test_a_resume_after_held_back_text_sends_it(llm: LLM) -> None:
+    # A lease can move right after a token whose text was held back (half of a
+    # multi-byte character): the resumed run must send it, not treat it as sent.
+    original = _run_streaming(llm.engine, "original", PROMPT, GREEDY)
+    full = original[-1].token_ids
+    held = [k for k in range(1, len(full)) if original[k - 1].text_delta == ""]
+    assert held, "no held-back text in this output; pick another prompt"
+    for k in held:
+        sent = "".join(o.text_delta for o in original[:k])
+        llm.engine.add_request(f"resumed-{k}", PROMPT, GREEDY, resumed_token_ids=full[:k])
+        outputs = []
+        while llm.engine.has_unfinished():
+            outputs += llm.engine.step()
+        assert sent + "".join(o.text_delta for o in outputs) == original[-1].text
+
+
 def test_decode_rate_is_measured_when_every_step_mixes_in_prefill() -> None:
     # One long decode runs next to a stream of chunked prefills, so no step after the
     # first is a pure decode. Counting a step only for its dominant phase never sampled
