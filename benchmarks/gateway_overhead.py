@@ -5,12 +5,16 @@ Two servers run side by side on the same uvicorn settings, each in its own proce
 - gateway: the real app (`build_app`: auth, validation, usage records, queue, dispatcher,
   engine loop, detokenizer) with the engine's model runner replaced by a null runner that
   returns a token instantly, so the model's compute is out of the picture;
-- bare: a plain Starlette endpoint returning the same JSON body.
+- bare: a plain Starlette endpoint returning the same JSON body;
+- gateway+redis (with `--redis URL`): the same app on the shared Redis queue and rate
+  limiter instead of the in-process ones, under a key prefix of its own (deleted after),
+  so the cost of the Redis round trips shows beside the in-memory figures of the run.
 
 A small raw HTTP/1.1 client (keep-alive) measures latency with one request in flight,
 then throughput with many. The null runner is a harness built here, not a product path.
 
     python benchmarks/gateway_overhead.py [--requests 2000] [--concurrency 32]
+        [--redis redis://127.0.0.1:6379/0]
 """
 
 from __future__ import annotations
@@ -55,13 +59,22 @@ def _null_engine():
     return AsyncEngine.from_engine(llm)
 
 
-def _serve_gateway(port: int, data_dir: str, admin_token: str) -> None:
+def _serve_gateway(
+    port: int, data_dir: str, admin_token: str, redis_url: str | None, redis_prefix: str
+) -> None:
     import uvicorn
 
     from gateway.app import build_app
     from gateway.settings import Settings
 
-    settings = Settings(data_dir=Path(data_dir), admin_token=admin_token, device="cpu", port=port)
+    settings = Settings(
+        data_dir=Path(data_dir),
+        admin_token=admin_token,
+        device="cpu",
+        port=port,
+        redis_url=redis_url,
+        redis_prefix=redis_prefix,
+    )
     app = build_app(settings, engine=_null_engine())
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
@@ -197,7 +210,18 @@ def _make_key(port: int, admin_token: str) -> str:
         base_url=f"http://127.0.0.1:{port}/admin/v1",
         headers={"authorization": f"Bearer {admin_token}"},
     ) as admin:
-        tenant = admin.post("/tenants", json={"name": "bench", "tier": "interactive"})
+        # Limits far above what the load reaches: the limiter runs on every request, as
+        # in production, but never refuses (a 429 would end the measurement).
+        tenant = admin.post(
+            "/tenants",
+            json={
+                "name": "bench",
+                "tier": "interactive",
+                "rpm": 2**31 - 1,
+                "tpm": 2**31 - 1,
+                "max_concurrency": 10**6,
+            },
+        )
         tenant.raise_for_status()
         key = admin.post(f"/tenants/{tenant.json()['id']}/keys", json={})
         key.raise_for_status()
@@ -214,38 +238,43 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2000, help="latency samples per server")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--duration-s", type=float, default=5.0, help="per throughput run")
+    parser.add_argument(
+        "--redis", metavar="URL", help="also measure the gateway on this Redis (queue, limits)"
+    )
     parser.add_argument("--serve", choices=["gateway", "bare"], help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--arg", help=argparse.SUPPRESS)
     parser.add_argument("--admin-token", help=argparse.SUPPRESS)
+    parser.add_argument("--redis-prefix", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve == "gateway":
-        _serve_gateway(args.port, args.arg, args.admin_token)
+        _serve_gateway(args.port, args.arg, args.admin_token, args.redis, args.redis_prefix)
         return
     if args.serve == "bare":
         _serve_bare(args.port, args.arg)
         return
 
+    redis_prefix = f"{{tgbench-{secrets.token_hex(5)}}}:"
     with tempfile.TemporaryDirectory() as tmp:
         admin_token = secrets.token_urlsafe(16)
-        gw_port, bare_port = _free_port(), _free_port()
-        procs = [
-            _spawn(
-                "--serve",
-                "gateway",
-                "--port",
-                str(gw_port),
-                "--arg",
-                tmp,
-                "--admin-token",
-                admin_token,
-            )
-        ]
+        servers = [("gateway", _free_port(), Path(tmp) / "memory", [])]
+        if args.redis:
+            redis_args = ["--redis", args.redis, "--redis-prefix", redis_prefix]
+            servers.append(("gateway+redis", _free_port(), Path(tmp) / "redis", redis_args))
+        bare_port = _free_port()
+        procs = []
         try:
-            _wait_up(gw_port, procs[0])
-            key = _make_key(gw_port, admin_token)
-            gw_request = _request_bytes(gw_port, key)
-            status, body = asyncio.run(_one(gw_port, gw_request))
+            requests = {}
+            for name, port, data_dir, extra in servers:
+                data_dir.mkdir()
+                proc = _spawn(
+                    *("--serve", "gateway", "--port", str(port), "--arg", str(data_dir)),
+                    *("--admin-token", admin_token, *extra),
+                )
+                procs.append(proc)
+                _wait_up(port, proc)
+                requests[name] = (port, _request_bytes(port, _make_key(port, admin_token)))
+            status, body = asyncio.run(_one(*requests["gateway"]))
             if status != 200:
                 raise RuntimeError(f"gateway answered {status}: {body[:300]!r}")
             body_path = Path(tmp) / "body.json"
@@ -253,14 +282,11 @@ def main() -> None:
             procs.append(
                 _spawn("--serve", "bare", "--port", str(bare_port), "--arg", str(body_path))
             )
-            _wait_up(bare_port, procs[1])
-            bare_request = _request_bytes(bare_port, None)
+            _wait_up(bare_port, procs[-1])
+            requests = {"bare": (bare_port, _request_bytes(bare_port, None)), **requests}
 
             results = {}
-            for name, port, request in (
-                ("bare", bare_port, bare_request),
-                ("gateway", gw_port, gw_request),
-            ):
+            for name, (port, request) in requests.items():
                 samples = asyncio.run(latency_ms(port, request, args.requests))
                 rate = asyncio.run(max_rate(port, request, args.concurrency, args.duration_s))
                 results[name] = (statistics.median(samples), _pct(samples, 0.99), rate)
@@ -269,17 +295,38 @@ def main() -> None:
                 proc.terminate()
             for proc in procs:
                 proc.wait(timeout=30)
+            if args.redis:
+                _delete_prefix(args.redis, redis_prefix)
 
     bare_p50, bare_p99, bare_rate = results["bare"]
     gw_p50, gw_p99, gw_rate = results["gateway"]
     print(f"short non-streaming completions, max_tokens={MAX_TOKENS}, null model runner")
-    print(f"{'':10}{'p50 ms':>10}{'p99 ms':>10}{'req/s':>10}")
+    print(f"{'':14}{'p50 ms':>10}{'p99 ms':>10}{'req/s':>10}")
     for name, (p50, p99, rate) in results.items():
-        print(f"{name:10}{p50:10.3f}{p99:10.3f}{rate:10.0f}")
+        print(f"{name:14}{p50:10.3f}{p99:10.3f}{rate:10.0f}")
     added_p50 = gw_p50 - bare_p50
     print(f"added latency: p50 {added_p50:.3f} ms (goal <= 2 ms), p99 {gw_p99 - bare_p99:.3f} ms")
     print(f"rate ratio gateway/bare: {gw_rate / bare_rate:.2f} (goal >= 0.40)")
     print(f"latency ratio gateway/bare: p50 {gw_p50 / bare_p50:.2f}x, p99 {gw_p99 / bare_p99:.2f}x")
+    if "gateway+redis" in results:
+        rd_p50, rd_p99, rd_rate = results["gateway+redis"]
+        print(
+            f"Redis vs in-memory queue: p50 +{rd_p50 - gw_p50:.3f} ms, "
+            f"p99 +{rd_p99 - gw_p99:.3f} ms, rate ratio {rd_rate / gw_rate:.2f}"
+        )
+
+
+def _delete_prefix(url: str, prefix: str) -> None:
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        escaped = prefix.replace("{", "\\{").replace("}", "\\}")
+        names = list(client.scan_iter(match=escaped + "*", count=1000))
+        if names:
+            client.delete(*names)
+    finally:
+        client.close()
 
 
 async def _one(port: int, request: bytes) -> tuple[int, bytes]:
