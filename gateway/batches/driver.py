@@ -46,6 +46,7 @@ from gateway.db.models import utcnow
 from gateway.errors import NotFoundError
 from gateway.middleware import new_request_id
 from gateway.tiers import TierCatalog, TierPolicy
+from scheduler.backend import BackendUnavailableError, QueueFullError
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,9 @@ class DriverConfig:
     poll_s: float = 1.0  # how often unowned batches are looked for
     max_batches: int = 8  # batches this gateway drives at once
     max_in_flight: int = 64  # lines of one batch submitted at once (the tier may lower it)
+    # A queue that refuses a line (its tier's cap is reached, Redis is away) is asked
+    # again after this long; the refused lines stay pending and go first then.
+    refused_backoff_s: float = 0.5
     limits: ValidationLimits = field(default_factory=ValidationLimits)
 
     @property
@@ -163,6 +167,9 @@ class _BatchRun:
         self.config = driver.config
         self.in_flight: dict[str, tuple[asyncio.Task[None], int]] = {}  # request id -> line
         self.cursor = -1  # highest line index submitted in this pass
+        # Lines the queue refused (still pending, not in flight), retried before new ones.
+        self.refused: list[PendingLine] = []
+        self.refused_until_s = 0.0  # monotonic; no line is submitted before it
         self.is_engine_dead = False
         self.principal: Principal | None = None
         self.tier: TierPolicy | None = None
@@ -214,13 +221,20 @@ class _BatchRun:
         if self.principal is None:
             await self._load_principal(batch)
         window = self._window() - len(self.in_flight)
+        if time.monotonic() < self.refused_until_s:
+            return True  # the queue is full: leave the lines pending a little longer
+        if window > 0 and self.refused:
+            retried, self.refused = self.refused[:window], self.refused[window:]
+            for line in retried:
+                self._submit(batch, line)
+            window -= len(retried)
         if window > 0:
             lines = await self.store.pending_lines(
                 self.batch_id, after_index=self.cursor, limit=window
             )
             for line in lines:
                 self._submit(batch, line)
-            if not lines and not self.in_flight:
+            if not lines and not self.in_flight and not self.refused:
                 if await self.store.num_pending(self.batch_id) == 0:
                     return False
                 # Lines skipped in this pass (an aborted run) are still pending: go again.
@@ -257,6 +271,15 @@ class _BatchRun:
             )
         except RequestAbortedError:
             return  # cancelled by this driver; the line stays pending
+        except (QueueFullError, BackendUnavailableError) as exc:
+            # Not the line's fault: it stays pending and is offered again after a pause,
+            # so a full batch tier slows the batch down instead of failing its lines.
+            log.debug(
+                "batch %s line %d refused by the queue: %s", self.batch_id, line.line_index, exc
+            )
+            self.refused.append(line)
+            self.refused_until_s = time.monotonic() + self.config.refused_backoff_s
+            return
         except EngineDeadError:
             self.is_engine_dead = True
             return
