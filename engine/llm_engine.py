@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -61,6 +61,10 @@ class EngineStats:
     decode_tokens_per_s: float
     step_token_budget: int
     num_steps: int
+    # Held work per request rank (see StepScheduler.backlog): workers publish it so that
+    # admission sees the backlog that left the queue.
+    unprefilled_tokens_by_rank: dict[int, int] = field(default_factory=dict)
+    decode_tokens_by_rank: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -275,6 +279,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         scheduler_stats = self.scheduler.stats
+        backlog = self.scheduler.backlog()
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -287,4 +292,6 @@ class LLMEngine:
             decode_tokens_per_s=self._rates.decode_tokens_per_s,
             step_token_budget=self.scheduler.config.max_num_batched_tokens,
             num_steps=scheduler_stats.num_steps,
+            unprefilled_tokens_by_rank=backlog.unprefilled_tokens_by_rank,
+            decode_tokens_by_rank=backlog.decode_tokens_by_rank,
         )

@@ -119,6 +119,22 @@ class SchedulerStats:
     num_rejected: int = 0  # requests refused by add()
 
 
+@dataclass(frozen=True)
+class RankBacklog:
+    """Work the scheduler holds, per request rank (0 is best), for admission upstream.
+
+    A dispatcher pulls jobs whenever a sequence slot is free, so under overload the
+    backlog sits here (prompts waiting for prefill budget), out of the queue's sight;
+    workers publish this so that predicted TTFTs count it.
+    """
+
+    # Tokens still to compute before a request's next token: prompts of waiting and
+    # partly prefilled requests, and the recompute of preempted ones.
+    unprefilled_tokens_by_rank: dict[int, int] = field(default_factory=dict)
+    # Tokens the held requests may still generate (max_tokens left), as queued jobs count.
+    decode_tokens_by_rank: dict[int, int] = field(default_factory=dict)
+
+
 @dataclass
 class _Step:
     chunks: dict[str, ScheduledChunk] = field(default_factory=dict)
@@ -182,6 +198,19 @@ class StepScheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
+
+    def backlog(self) -> RankBacklog:
+        """Unprefilled and still-to-generate tokens of every held request, by rank."""
+        unprefilled: dict[int, int] = {}
+        decode: dict[int, int] = {}
+        for request in self._requests.values():
+            rank = request.priority.rank
+            if request.status is not RequestStatus.RUNNING or request.is_prefilling:
+                num = request.num_tokens - request.num_computed_tokens
+                unprefilled[rank] = unprefilled.get(rank, 0) + num
+            left = request.params.max_tokens - request.num_output_tokens
+            decode[rank] = decode.get(rank, 0) + left
+        return RankBacklog(unprefilled, decode)
 
     def get(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)

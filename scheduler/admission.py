@@ -1,12 +1,19 @@
 """SLO-aware admission: refuse now what cannot start within its tier's TTFT SLO.
 
 Runs at the gateway after authentication and rate limits, before enqueue. For a tier with
-a TTFT SLO it predicts the job's time to first token from the work the policy would serve
-before it (QueueBackend.work_ahead, in dispatch order) and the fleet's measured capacity
-(the sum of the prefill and decode rates live workers publish with publish_capacity):
+a TTFT SLO it predicts the job's time to first token from the work that would be served
+before it and the fleet's measured capacity (the sum of the prefill and decode rates live
+workers publish with publish_capacity):
 
     ttft = (prefill tokens ahead + own prompt) / prefill tokens_per_s
            + decode_ahead_fraction * decode tokens ahead / decode tokens_per_s
+
+Work ahead is what the queue would dispatch first (QueueBackend.work_ahead, in dispatch
+order) plus what the engines already hold for equal or better ranks
+(FleetCapacity.backlog_ahead): a dispatcher pulls jobs while its engine has a free
+sequence slot, so under overload most of the backlog waits inside the engines for
+prefill, out of the queue's sight. Engines serve better ranks first, so their backlog of
+a worse rank is not counted.
 
 Decode work ahead counts at a fraction because jobs ahead stop on average before their
 max_tokens and, with continuous batching, a job starts once those ahead have been
@@ -59,17 +66,24 @@ class AdmissionConfig:
 
 
 def predict_ttft_ms(
-    work: WorkAhead, num_prompt_tokens: int, capacity: FleetCapacity, config: AdmissionConfig
+    work: WorkAhead,
+    num_prompt_tokens: int,
+    capacity: FleetCapacity,
+    config: AdmissionConfig,
+    *,
+    rank: int,
 ) -> float:
-    """Predicted time to first token of a new job (pure; see the module docstring)."""
+    """Predicted time to first token of a new job of tier rank `rank`, given the queued
+    `work` ahead of it (pure; see the module docstring)."""
     if capacity.num_workers == 0 or capacity.prefill_tokens_per_s <= 0:
         raise NoCapacityError("no live worker reports any capacity")
-    prefill_s = (work.num_prefill_tokens + num_prompt_tokens) / capacity.prefill_tokens_per_s
+    held = capacity.backlog_ahead(rank)
+    num_prefill = work.num_prefill_tokens + held.num_prefill_tokens + num_prompt_tokens
+    num_decode = work.num_decode_tokens + held.num_decode_tokens
+    prefill_s = num_prefill / capacity.prefill_tokens_per_s
     decode_s = 0.0
-    if work.num_decode_tokens and capacity.decode_tokens_per_s > 0:
-        decode_s = (
-            config.decode_ahead_fraction * work.num_decode_tokens / capacity.decode_tokens_per_s
-        )
+    if num_decode and capacity.decode_tokens_per_s > 0:
+        decode_s = config.decode_ahead_fraction * num_decode / capacity.decode_tokens_per_s
     return 1000.0 * (prefill_s + decode_s)
 
 
@@ -82,7 +96,9 @@ async def check_slo(
         return None
     capacity = await backend.fleet_capacity()
     work = await backend.work_ahead(job.tier, job.tenant_id, job.weight, job.num_prompt_tokens)
-    predicted = predict_ttft_ms(work, job.num_prompt_tokens, capacity, config or AdmissionConfig())
+    predicted = predict_ttft_ms(
+        work, job.num_prompt_tokens, capacity, config or AdmissionConfig(), rank=tier.rank
+    )
     if predicted > tier.ttft_slo_ms:
         raise SloUnattainableError(
             tier=tier.name,

@@ -13,7 +13,7 @@ test holds them to it), so the single-process server and a Redis fleet behave al
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -110,11 +110,36 @@ class WorkAhead:
 
 @dataclass(frozen=True)
 class FleetCapacity:
-    """The sum of the measured rates of live workers."""
+    """The sum of the measured rates of live workers, and of the work their engines hold.
+
+    A dispatcher pulls jobs while its engine has a free sequence slot, so under overload
+    much of the backlog has left the queue and waits inside engines for prefill; the
+    per-rank totals let admission count it (`backlog_ahead`).
+    """
 
     num_workers: int
     prefill_tokens_per_s: float
     decode_tokens_per_s: float
+    # Prompt tokens engines hold but have not prefilled (waiting, partly prefilled,
+    # preempted), per request rank.
+    unprefilled_tokens_by_rank: Mapping[int, int] = field(default_factory=dict)
+    # Tokens the engines' requests may still generate (max_tokens left), per rank.
+    decode_tokens_by_rank: Mapping[int, int] = field(default_factory=dict)
+
+    def backlog_ahead(self, rank: int) -> WorkAhead:
+        """Engine-held work an engine serves before a new request of `rank`: that of
+        equal or better rank, in full (engines run better ranks first)."""
+        return WorkAhead(
+            sum(n for r, n in self.unprefilled_tokens_by_rank.items() if r <= rank),
+            sum(n for r, n in self.decode_tokens_by_rank.items() if r <= rank),
+        )
+
+
+def add_by_rank(total: dict[int, int], part: Mapping[int, int]) -> dict[int, int]:
+    """Add one worker's per-rank counts into a fleet total (returns `total`)."""
+    for rank, num in part.items():
+        total[rank] = total.get(rank, 0) + num
+    return total
 
 
 START_CURSOR = "0"
@@ -210,8 +235,12 @@ class QueueBackend(Protocol):
         prefill_tokens_per_s: float,
         decode_tokens_per_s: float,
         ttl_ms: int,
+        unprefilled_tokens_by_rank: Mapping[int, int] | None = None,
+        decode_tokens_by_rank: Mapping[int, int] | None = None,
     ) -> None:
-        """A worker's measured rates; they count for ttl_ms (publish again to stay live)."""
+        """A worker's measured rates and its engine's backlog per rank (EngineStats);
+        they count for ttl_ms (publish again to stay live). A report replaces the
+        worker's previous one, backlog included."""
         ...
 
     async def fleet_capacity(self) -> FleetCapacity: ...

@@ -175,9 +175,11 @@ class Dispatcher:
             )
 
     async def publish_capacity(self) -> None:
-        """Report the engine's measured rates (or the defaults until it has measured)."""
+        """Report the engine's measured rates (or the defaults until it has measured) and
+        the work it holds per rank, which admission adds to the queued work ahead."""
         stats = getattr(self._engine, "stats", None)
         prefill = decode = 0.0
+        snapshot = None
         if callable(stats):
             snapshot = stats()
             prefill = float(getattr(snapshot, "prefill_tokens_per_s", 0.0))
@@ -187,6 +189,8 @@ class Dispatcher:
             prefill_tokens_per_s=prefill or self._config.default_prefill_tokens_per_s,
             decode_tokens_per_s=decode or self._config.default_decode_tokens_per_s,
             ttl_ms=self._config.capacity_ttl_ms,
+            unprefilled_tokens_by_rank=getattr(snapshot, "unprefilled_tokens_by_rank", None),
+            decode_tokens_by_rank=getattr(snapshot, "decode_tokens_by_rank", None),
         )
 
     # ----------------------------------------------------------------- leasing

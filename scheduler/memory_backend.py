@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from scheduler import policy
@@ -28,6 +28,7 @@ from scheduler.backend import (
     TierDepth,
     UnknownTierError,
     WorkAhead,
+    add_by_rank,
 )
 from scheduler.job import Job
 from scheduler.policy import PolicyConfig, TierConfig
@@ -159,7 +160,7 @@ class MemoryBackend:
         # Every known tier best first (rank, name), with its min_share: dispatch walks it
         # instead of sorting. Rebuilt when the tier table changes or a tier appears.
         self._order: list[tuple[float, _Tier]] = []
-        self._workers: dict[str, tuple[int, float, float]] = {}
+        self._workers: dict[str, tuple[int, FleetCapacity]] = {}  # until ms, one report
         self._configure(tiers)
 
     # -- tiers -------------------------------------------------------------------------
@@ -487,19 +488,35 @@ class MemoryBackend:
         prefill_tokens_per_s: float,
         decode_tokens_per_s: float,
         ttl_ms: int,
+        unprefilled_tokens_by_rank: Mapping[int, int] | None = None,
+        decode_tokens_by_rank: Mapping[int, int] | None = None,
     ) -> None:
-        self._workers[worker_id] = (
-            self._clock_ms() + ttl_ms,
+        report = FleetCapacity(
+            1,
             float(prefill_tokens_per_s),
             float(decode_tokens_per_s),
+            {int(r): int(n) for r, n in (unprefilled_tokens_by_rank or {}).items()},
+            {int(r): int(n) for r, n in (decode_tokens_by_rank or {}).items()},
         )
+        self._workers[worker_id] = (self._clock_ms() + ttl_ms, report)
 
     async def fleet_capacity(self) -> FleetCapacity:
         now_ms = self._clock_ms()
-        for worker_id in [w for w, (until, _, _) in self._workers.items() if until <= now_ms]:
+        for worker_id in [w for w, (until, _) in self._workers.items() if until <= now_ms]:
             del self._workers[worker_id]
-        live = self._workers.values()
-        return FleetCapacity(len(live), sum(p for _, p, _ in live), sum(d for _, _, d in live))
+        live = [report for _, report in self._workers.values()]
+        unprefilled: dict[int, int] = {}
+        decode: dict[int, int] = {}
+        for report in live:
+            add_by_rank(unprefilled, report.unprefilled_tokens_by_rank)
+            add_by_rank(decode, report.decode_tokens_by_rank)
+        return FleetCapacity(
+            len(live),
+            sum(r.prefill_tokens_per_s for r in live),
+            sum(r.decode_tokens_per_s for r in live),
+            unprefilled,
+            decode,
+        )
 
     # -- results -----------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, replace
 from importlib import resources
 from typing import Any
@@ -37,6 +37,7 @@ from scheduler.backend import (
     TierDepth,
     UnknownTierError,
     WorkAhead,
+    add_by_rank,
 )
 from scheduler.job import Job
 from scheduler.keys import KeySpace, lua_key_table
@@ -110,6 +111,24 @@ def _csv(token_ids: Sequence[int]) -> str:
 
 def _tokens(csv: str | None) -> tuple[int, ...]:
     return tuple(int(t) for t in csv.split(",")) if csv else ()
+
+
+# Fields of a `cap:<worker>` hash, in the order fleet_capacity reads them.
+_CAPACITY_FIELDS = (
+    "prefill_tokens_per_s",
+    "decode_tokens_per_s",
+    "unprefilled_tokens_by_rank",
+    "decode_tokens_by_rank",
+)
+
+
+def _rank_json(by_rank: Mapping[int, int] | None) -> str:
+    return json.dumps({str(int(r)): int(n) for r, n in (by_rank or {}).items()})
+
+
+def _rank_map(raw: str | None) -> dict[int, int]:
+    # A report from a worker that predates the backlog fields has none: no backlog.
+    return {int(r): int(n) for r, n in json.loads(raw).items()} if raw else {}
 
 
 class RedisBackend:
@@ -327,6 +346,8 @@ class RedisBackend:
         prefill_tokens_per_s: float,
         decode_tokens_per_s: float,
         ttl_ms: int,
+        unprefilled_tokens_by_rank: Mapping[int, int] | None = None,
+        decode_tokens_by_rank: Mapping[int, int] | None = None,
     ) -> None:
         k = self._keys
         with unavailable_as_error():
@@ -336,6 +357,9 @@ class RedisBackend:
                     mapping={
                         "prefill_tokens_per_s": repr(float(prefill_tokens_per_s)),
                         "decode_tokens_per_s": repr(float(decode_tokens_per_s)),
+                        # Whole per-rank maps as JSON: read back only by fleet_capacity.
+                        "unprefilled_tokens_by_rank": _rank_json(unprefilled_tokens_by_rank),
+                        "decode_tokens_by_rank": _rank_json(decode_tokens_by_rank),
                     },
                 )
                 pipe.pexpire(k.capacity(worker_id), ttl_ms)
@@ -350,10 +374,19 @@ class RedisBackend:
             workers = await self._redis.zrange(k.workers, 0, -1)
             async with self._redis.pipeline(transaction=False) as pipe:
                 for worker_id in workers:
-                    pipe.hmget(k.capacity(worker_id), "prefill_tokens_per_s", "decode_tokens_per_s")
-                rates = [r for r in await pipe.execute() if r[0] is not None]
+                    pipe.hmget(k.capacity(worker_id), *_CAPACITY_FIELDS)
+                reports = [r for r in await pipe.execute() if r[0] is not None]
+        unprefilled: dict[int, int] = {}
+        decode: dict[int, int] = {}
+        for _, _, unprefilled_json, decode_json in reports:
+            add_by_rank(unprefilled, _rank_map(unprefilled_json))
+            add_by_rank(decode, _rank_map(decode_json))
         return FleetCapacity(
-            len(rates), sum(float(p) for p, _ in rates), sum(float(d) for _, d in rates)
+            len(reports),
+            sum(float(r[0]) for r in reports),
+            sum(float(r[1]) for r in reports),
+            unprefilled,
+            decode,
         )
 
     # -- results -----------------------------------------------------------------------

@@ -253,6 +253,7 @@ class _Fleet:
                     engine.prefill_tokens_per_s or DEFAULT_PREFILL_TOKENS_PER_S,
                     engine.decode_tokens_per_s or DEFAULT_DECODE_TOKENS_PER_S,
                     self.capacity_ttl_ms,
+                    engine.scheduler.backlog(),
                 )
         self.take_drops(now_s)
         self.trace.sample(now_s, self.served, self.queue.backlogged_tenants())

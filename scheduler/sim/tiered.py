@@ -12,6 +12,7 @@ import heapq
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
+from engine.step_scheduler import RankBacklog
 from scheduler.admission import NoCapacityError, SloUnattainableError, check_slo
 from scheduler.backend import JobStatus
 from scheduler.job import Job
@@ -130,14 +131,23 @@ class TieredQueue:
         return None
 
     def publish_capacity(
-        self, worker_id: str, prefill_tokens_per_s: float, decode_tokens_per_s: float, ttl_ms: int
+        self,
+        worker_id: str,
+        prefill_tokens_per_s: float,
+        decode_tokens_per_s: float,
+        ttl_ms: int,
+        backlog: RankBacklog | None = None,
     ) -> None:
-        """A simulated worker's measured rates, as its dispatcher publishes them."""
+        """A simulated worker's measured rates and its engine's backlog per rank, as its
+        dispatcher publishes them."""
+        backlog = backlog or RankBacklog()
         run_now(
             self.backend.publish_capacity(
                 worker_id,
                 prefill_tokens_per_s=prefill_tokens_per_s,
                 decode_tokens_per_s=decode_tokens_per_s,
                 ttl_ms=ttl_ms,
+                unprefilled_tokens_by_rank=backlog.unprefilled_tokens_by_rank,
+                decode_tokens_by_rank=backlog.decode_tokens_by_rank,
             )
         )

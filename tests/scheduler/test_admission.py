@@ -15,15 +15,69 @@ from scheduler.backend import FleetCapacity, QueueFullError, WorkAhead
 from scheduler.policy import TierConfig
 
 PRIORITY = TierConfig("priority", rank=0, ttft_slo_ms=500.0)
+INTERACTIVE = TierConfig("interactive", rank=1, ttft_slo_ms=2_000.0)
 BATCH = TierConfig("batch", rank=2, max_queued_jobs=3)
 
 
 def test_prediction_formula() -> None:
     capacity = FleetCapacity(2, prefill_tokens_per_s=1_000.0, decode_tokens_per_s=100.0)
     work = WorkAhead(num_prefill_tokens=900.0, num_decode_tokens=40.0)
-    assert predict_ttft_ms(work, 100, capacity, AdmissionConfig()) == pytest.approx(1_200.0)
+    assert predict_ttft_ms(work, 100, capacity, AdmissionConfig(), rank=1) == pytest.approx(1_200.0)
     with pytest.raises(NoCapacityError):
-        predict_ttft_ms(work, 100, FleetCapacity(0, 0.0, 0.0), AdmissionConfig())
+        predict_ttft_ms(work, 100, FleetCapacity(0, 0.0, 0.0), AdmissionConfig(), rank=1)
+
+
+def test_prediction_adds_engine_backlog_of_equal_or_better_rank_in_full() -> None:
+    capacity = FleetCapacity(
+        2,
+        prefill_tokens_per_s=1_000.0,
+        decode_tokens_per_s=100.0,
+        unprefilled_tokens_by_rank={0: 300, 1: 200, 2: 5_000},
+        decode_tokens_by_rank={0: 20, 1: 40, 2: 9_000},
+    )
+    work = WorkAhead(num_prefill_tokens=400.0, num_decode_tokens=0.0)
+    config = AdmissionConfig()
+    # Rank 1: queued 400 + held 300 + 200 + own 100 prompt tokens -> 1 s of prefill, and
+    # half of the 60 held decode tokens at 100 tokens/s -> 0.3 s. Rank 2 work is ignored.
+    assert predict_ttft_ms(work, 100, capacity, config, rank=1) == pytest.approx(1_300.0)
+    # Rank 0 sees only its own rank's backlog: (400 + 300 + 100) / 1000 + 0.5 * 20 / 100.
+    assert predict_ttft_ms(work, 100, capacity, config, rank=0) == pytest.approx(900.0)
+    # The worst rank counts everything the engines hold.
+    assert predict_ttft_ms(work, 100, capacity, config, rank=2) == pytest.approx(51_300.0)
+
+
+async def test_engine_backlog_refuses_what_the_queue_alone_would_admit(backend, make_job) -> None:
+    await backend.configure_tiers([PRIORITY, INTERACTIVE, BATCH])
+    # The queue is empty; the backlog is inside the worker's engine.
+    await backend.publish_capacity(
+        "w1",
+        prefill_tokens_per_s=1_000.0,
+        decode_tokens_per_s=100.0,
+        ttl_ms=60_000,
+        unprefilled_tokens_by_rank={1: 1_500, 2: 50_000},
+        decode_tokens_by_rank={1: 100},
+    )
+    job = make_job("me", "interactive", num_prompt_tokens=100)
+    with pytest.raises(SloUnattainableError) as refused:
+        await admit(backend, job, INTERACTIVE)
+    # (1500 + 100) / 1000 s + 0.5 * 100 / 100 s = 2.1 s against a 2 s SLO.
+    assert refused.value.predicted_ttft_ms == pytest.approx(2_100.0, abs=1)
+    assert refused.value.retry_after_ms == 100
+    # Priority runs before all of it in the engine: only its own prompt counts.
+    predicted = await admit(backend, make_job("vip", "priority", num_prompt_tokens=100), PRIORITY)
+    assert predicted == pytest.approx(100.0, abs=1)
+    # Once the engine has prefilled its backlog (next report), interactive fits again.
+    await backend.publish_capacity(
+        "w1",
+        prefill_tokens_per_s=1_000.0,
+        decode_tokens_per_s=100.0,
+        ttl_ms=60_000,
+        unprefilled_tokens_by_rank={2: 50_000},
+        decode_tokens_by_rank={1: 100},
+    )
+    # Queued ahead now: the priority job's 100 prompt and 16 decode tokens.
+    predicted = await admit(backend, job, INTERACTIVE)
+    assert predicted == pytest.approx(200.0 + 500.0 + 80.0, abs=1)
 
 
 async def test_slo_unattainable_then_feasible_after_retry_after(backend, make_job) -> None:

@@ -120,14 +120,11 @@ def test_fast_forward_on_a_fleet_keeps_the_numbers() -> None:
     assert stats[1].output_tokens_per_s == pytest.approx(stats[0].output_tokens_per_s, rel=0.01)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="admission cannot see work already pulled into engines (prompts still "
-    "prefilling); it kept admitted attainment only while the decode rate was stuck low",
-)
 def test_real_admission_refuses_interactive_overload_and_keeps_admitted_within_slo() -> None:
     # Priority + interactive at about 1.7x what the engine serves, no batch to absorb it:
-    # the gateway's SLO admission must refuse, and what it admits must meet its SLO.
+    # the gateway's SLO admission must refuse, and what it admits must meet its SLO. The
+    # backlog sits mostly inside the engine (a worker pulls while it has a free slot), so
+    # this holds only because simulated workers publish their engines' backlog per rank.
     spec = three_tier_mix(50, 10, seed=6, tier_load_shares=(0.2, 0.8, 0.0))
     options = SimOptions(drain_s=30, fast_forward=True)
     stats = simulate(spec, "tiered", FleetSpec(H200, 1), options).stats

@@ -1,0 +1,141 @@
+"""Capacity reports carry the engines' backlog per rank, from the step scheduler through
+the engine's stats and the dispatcher to both queue backends, where admission reads it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from engine.block_manager import BlockManager
+from engine.request import Priority, Request, SamplingParams
+from engine.step_scheduler import SchedulerConfig, StepScheduler
+from scheduler.dispatcher import Dispatcher, DispatcherConfig
+from scheduler.job import Job
+from scheduler.memory_backend import MemoryBackend
+from scheduler.policy import TierConfig
+from scheduler.results import JobClient
+
+
+def _request(request_id: str, rank: int, num_prompt_tokens: int, max_tokens: int) -> Request:
+    return Request(
+        request_id,
+        list(range(1, num_prompt_tokens + 1)),
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        Priority(rank=rank),
+    )
+
+
+def test_step_scheduler_backlog_counts_unprefilled_and_left_to_generate_by_rank() -> None:
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_prefill_chunk_tokens=16)
+    scheduler = StepScheduler(config, BlockManager(64, 4))
+    assert scheduler.backlog().unprefilled_tokens_by_rank == {}
+    scheduler.add(_request("vip", 0, 10, 5))
+    scheduler.add(_request("bulk", 2, 30, 8))
+    scheduler.add(_request("bulk2", 2, 4, 3))
+    backlog = scheduler.backlog()
+    assert backlog.unprefilled_tokens_by_rank == {0: 10, 2: 34}
+    assert backlog.decode_tokens_by_rank == {0: 5, 2: 11}
+    # One step of 16 tokens: vip's whole prompt (it samples its first token) and the
+    # first 6 tokens of bulk's; bulk2 still waits.
+    plan = scheduler.schedule()
+    for chunk in plan.chunks:
+        if chunk.produces_token:
+            chunk.request.output_token_ids.append(7)
+    assert {c.request.request_id: c.num_tokens for c in plan.chunks} == {"vip": 10, "bulk": 6}
+    backlog = scheduler.backlog()
+    assert backlog.unprefilled_tokens_by_rank == {2: 24 + 4}
+    assert backlog.decode_tokens_by_rank == {0: 4, 2: 11}
+
+
+async def test_fleet_sums_backlog_per_rank_over_live_workers(backend, clock) -> None:
+    await backend.publish_capacity(
+        "w1",
+        prefill_tokens_per_s=1000.0,
+        decode_tokens_per_s=100.0,
+        ttl_ms=3_000,
+        unprefilled_tokens_by_rank={0: 10, 2: 500},
+        decode_tokens_by_rank={0: 4, 2: 80},
+    )
+    clock.advance(2_000)
+    await backend.publish_capacity(
+        "w2",
+        prefill_tokens_per_s=500.0,
+        decode_tokens_per_s=50.0,
+        ttl_ms=3_000,
+        unprefilled_tokens_by_rank={1: 7, 2: 1},
+        decode_tokens_by_rank={1: 9},
+    )
+    fleet = await backend.fleet_capacity()
+    assert fleet.num_workers == 2
+    assert dict(fleet.unprefilled_tokens_by_rank) == {0: 10, 1: 7, 2: 501}
+    assert dict(fleet.decode_tokens_by_rank) == {0: 4, 1: 9, 2: 80}
+    assert fleet.backlog_ahead(1).num_prefill_tokens == 17
+    assert fleet.backlog_ahead(1).num_decode_tokens == 13
+    # A new report replaces the worker's previous backlog; one without any clears it.
+    await backend.publish_capacity(
+        "w2", prefill_tokens_per_s=500.0, decode_tokens_per_s=50.0, ttl_ms=3_000
+    )
+    fleet = await backend.fleet_capacity()
+    assert dict(fleet.unprefilled_tokens_by_rank) == {0: 10, 2: 500}
+    assert dict(fleet.decode_tokens_by_rank) == {0: 4, 2: 80}
+    # A lapsed worker's backlog stops counting with its rates.
+    clock.advance(1_000)
+    fleet = await backend.fleet_capacity()
+    assert fleet.num_workers == 1
+    assert dict(fleet.unprefilled_tokens_by_rank) == {}
+    assert fleet.backlog_ahead(2).num_decode_tokens == 0
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+
+    eng = AsyncEngine(
+        EngineConfig(model="tiny-random", device="cpu", max_num_seqs=1, max_model_len=128)
+    )
+    eng.start()
+    yield eng
+    eng.shutdown()
+
+
+async def test_dispatcher_publishes_its_engines_backlog(engine) -> None:
+    backend = MemoryBackend([TierConfig("rank2", rank=2)])
+    config = DispatcherConfig(lease_ms=2_000, heartbeat_ms=100, capacity_ttl_ms=1_000)
+    dispatcher = Dispatcher(backend, engine, worker_id="w1", config=config)
+    jobs = JobClient(backend, on_enqueue=dispatcher.notify)
+    dispatcher.start()
+    job = Job(
+        job_id="long",
+        tenant_id="t",
+        tier="rank2",
+        rank=2,
+        weight=1.0,
+        prompt_token_ids=(5, 6, 7),
+        params=SamplingParams(max_tokens=120, temperature=0, ignore_eos=True),
+        arrival_s=time.time(),
+    )
+    try:
+        stream = (await jobs.submit_and_wait(job)).__aiter__()
+        await anext(stream)  # prefilled and decoding in the engine, gone from the queue
+        await dispatcher.publish_capacity()
+        fleet = await backend.fleet_capacity()
+        queued = (await backend.depth()).get("rank2")
+        assert queued is None or queued.num_jobs == 0
+        assert 0 < fleet.decode_tokens_by_rank[2] < 120
+        assert set(fleet.decode_tokens_by_rank) == {2}
+        assert await jobs.cancel("long")
+        for _ in range(250):  # the engine thread publishes stats after its next step
+            stats = engine.stats()
+            if stats.num_running == 0 and stats.num_waiting == 0:
+                break
+            await asyncio.sleep(0.02)
+        await dispatcher.publish_capacity()
+        fleet = await backend.fleet_capacity()
+        assert dict(fleet.decode_tokens_by_rank) == {}
+        assert dict(fleet.unprefilled_tokens_by_rank) == {}
+    finally:
+        await dispatcher.aclose(0)
+        await jobs.aclose()
