@@ -240,13 +240,14 @@ class Dispatcher:
 
     async def _drive(self, running: _Running) -> None:
         job, backend, worker = running.job, self._backend, self.worker_id
+        # The lease marker tells the gateway the job left the queue. Its round trip runs
+        # while the engine prefills; no tokens are published before it is known held.
+        marker = asyncio.ensure_future(backend.publish_tokens(job.job_id, worker, ()))
         try:
-            # The lease marker: tells the gateway the job left the queue.
-            if not await backend.publish_tokens(job.job_id, worker, ()):
-                return
             remaining = job.params.max_tokens - len(job.resumed_token_ids)
             if remaining <= 0:  # the previous worker streamed everything but the end
-                await backend.complete(job.job_id, worker_id=worker, finish_reason="length")
+                if await marker:
+                    await backend.complete(job.job_id, worker_id=worker, finish_reason="length")
                 return
             # The engine continues after the resumed tokens, which count toward max_tokens.
             outputs = self._engine.generate(
@@ -256,28 +257,25 @@ class Dispatcher:
                 priority=_priority(job),
                 resumed_token_ids=job.resumed_token_ids,
             )
-            async with contextlib.aclosing(outputs):  # leaving early aborts in the engine
-                async for output in outputs:
+            # Steps that finish while a publish is on its way go out together in the next
+            # one: a fast engine costs one round trip per publish, not one per token.
+            async with contextlib.aclosing(_batches(outputs)) as batches:
+                async for batch in batches:  # leaving early aborts in the engine
                     # An output means the engine finished a step and took its pending adds.
                     self._capacity_freed.set()
-                    new_ids = list(output.new_token_ids)
-                    if new_ids or output.text_delta:
-                        if not await backend.publish_tokens(
-                            job.job_id, worker, new_ids, output.text_delta
-                        ):
+                    if not await marker:
+                        return  # cancelled while queued, or reclaimed by another worker
+                    new_ids = [t for output in batch for t in output.new_token_ids]
+                    text = "".join(output.text_delta for output in batch)
+                    finish_reason = _finish_reason(batch[-1])
+                    if new_ids or text or finish_reason is not None:
+                        if not await self._publish_step(job.job_id, new_ids, text, finish_reason):
                             return  # cancelled, or reclaimed by another worker
                         running.streamed.extend(new_ids)
-                        await backend.charge(job.job_id, output_tokens=len(new_ids))
+                    if finish_reason is not None:
+                        return
                     if running.is_handed_back:
                         raise _HandBack
-                    if output.finished:
-                        reason = output.finish_reason
-                        await backend.complete(
-                            job.job_id,
-                            worker_id=worker,
-                            finish_reason="stop" if reason is None else str(reason),
-                        )
-                        return
         except asyncio.CancelledError:
             await _quietly(backend.requeue(job.job_id, running.streamed, worker_id=worker))
             raise
@@ -301,8 +299,32 @@ class Dispatcher:
                 backend.fail(job.job_id, code=ENGINE_ERROR, message=repr(exc), worker_id=worker)
             )
         finally:
+            if not marker.done():
+                marker.cancel()
             self._running.pop(job.job_id, None)
             self._capacity_freed.set()
+
+    async def _publish_step(
+        self, job_id: str, token_ids: list[int], text: str, finish_reason: str | None
+    ) -> bool:
+        """Publish one step's tokens, charge them and (when finished) complete the job;
+        False when this worker no longer holds it. One round trip where the backend
+        offers `publish_step` (Redis), else the three calls in turn."""
+        backend, worker = self._backend, self.worker_id
+        publish_step = getattr(backend, "publish_step", None)
+        if publish_step is not None:
+            return bool(
+                await publish_step(
+                    job_id, worker, token_ids, text, finish_reason=finish_reason or ""
+                )
+            )
+        if token_ids or text:
+            if not await backend.publish_tokens(job_id, worker, token_ids, text):
+                return False
+            await backend.charge(job_id, output_tokens=len(token_ids))
+        if finish_reason is not None:
+            await backend.complete(job_id, worker_id=worker, finish_reason=finish_reason)
+        return True
 
     # ----------------------------------------------------------------- heartbeat
     async def _heartbeat(self) -> None:
@@ -338,6 +360,56 @@ def _priority(job: Job) -> Priority:
         tpot_slo_ms=job.tpot_slo_ms,
         preemptible=job.preemptible,
     )
+
+
+def _finish_reason(output: Any) -> str | None:
+    """Why the job ended with this output ("stop" when the engine gives none), or None
+    while it runs on."""
+    if not output.finished:
+        return None
+    return "stop" if output.finish_reason is None else str(output.finish_reason)
+
+
+async def _batches(outputs: AsyncIterator[Any]) -> AsyncIterator[list[Any]]:
+    """The engine's outputs in lists: each holds every output that arrived since the
+    previous list was taken (at least one). Closing this closes `outputs`, which aborts
+    the request in the engine."""
+    pending: list[Any] = []
+    arrived = asyncio.Event()
+    ended: list[BaseException | None] = []  # [None] at the end, [error] on failure
+
+    async def pump() -> None:
+        try:
+            async for output in outputs:
+                pending.append(output)
+                arrived.set()
+            ended.append(None)
+        except BaseException as exc:  # the engine's error ends the batches with it
+            ended.append(exc)
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            arrived.set()
+
+    task = asyncio.create_task(pump())
+    try:
+        while True:
+            await arrived.wait()
+            arrived.clear()
+            if pending:
+                batch = pending[:]
+                pending.clear()
+                yield batch
+            elif ended:
+                if ended[0] is not None:
+                    raise ended[0]
+                return
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await outputs.aclose()  # type: ignore[attr-defined]
 
 
 async def _wait(event: asyncio.Event, timeout_ms: float) -> None:

@@ -57,6 +57,7 @@ _SCRIPTS = (
     "reclaim",
     "cancel",
     "publish",
+    "publish_step",
     "work_ahead",
 )
 
@@ -435,6 +436,36 @@ class RedisBackend:
         self, job_id: str, *, code: str, message: str, worker_id: str | None = None
     ) -> bool:
         return await self._publish(job_id, worker_id, EventKind.ERROR, code=code, message=message)
+
+    async def publish_step(
+        self,
+        job_id: str,
+        worker_id: str,
+        token_ids: Sequence[int],
+        text: str = "",
+        *,
+        finish_reason: str = "",
+    ) -> bool:
+        """One engine step in one round trip: publish_tokens (when there are tokens or
+        text), charge for them and, with a `finish_reason`, complete. False (nothing
+        written) when `worker_id` no longer holds the job."""
+        c = self._config
+        published = await self._run(
+            "publish_step",
+            self._clock_ms(),
+            job_id,
+            worker_id,
+            _csv(token_ids),
+            text,
+            len(token_ids),
+            repr(float(c.input_token_weight)),
+            repr(float(c.output_token_weight)),
+            c.share_bucket_ms,
+            finish_reason,
+            self._result_ttl_ms,
+            self._finished_ttl_ms,
+        )
+        return bool(published)
 
     async def results(
         self, job_id: str, after: str = START_CURSOR, *, poll_ms: int = 1000
