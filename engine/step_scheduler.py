@@ -336,11 +336,14 @@ class StepScheduler:
         )
 
     def _schedule_decodes(self, step: _Step) -> None:
+        max_seqs = self._max_decode_seqs()
         for request in list(self._running):
             if request.status is not RequestStatus.RUNNING or request.is_prefilling:
                 continue
             if request.num_computed_tokens >= request.num_tokens:
                 continue  # its sampled token was not appended; nothing to run
+            if max_seqs is not None and len(step.chunks) >= max_seqs and _is_yielding(request):
+                continue  # paused for this step; it keeps its blocks and its place
             while not self.block_manager.allocate_slots(request, 1):
                 if self._preempt_for_kv(request, step) is request:
                     break
@@ -374,6 +377,33 @@ class StepScheduler:
                 raise RuntimeError("block manager refused slots it reported free")
             self._add_chunk(step, request, num_tokens)
             step.prefill_budget -= num_tokens
+
+    def _max_decode_seqs(self) -> int | None:
+        """How many decodes a step may hold and still keep the tightest TPOT SLO of the
+        requests decoding, or None when nothing limits it.
+
+        Decodes of requests with a TPOT SLO are never cut; throughput work (preemptible,
+        no TPOT SLO) decodes in what is left, at least one per step so it never stalls.
+        Without this a batch of running throughput work makes every step slower than a
+        running interactive request's TPOT SLO, whatever the prefill budget does.
+        """
+        model = self.cost_model
+        if model is None or not model.is_ready:
+            return None
+        slos_ms = [
+            r.priority.tpot_slo_ms
+            for r in self._running
+            if r.priority.tpot_slo_ms is not None and r.num_output_tokens > 0
+        ]
+        if not slos_ms:
+            return None
+        slo_s = min(slos_ms) / 1000.0
+        floor = self.config.min_prefill_tokens  # new work keeps moving too
+        num_seqs = len(self._running)
+        while num_seqs > 1 and model.predict(num_seqs + floor, num_seqs + 1) > slo_s:
+            num_seqs -= 1
+        num_kept = sum(1 for r in self._running if not _is_yielding(r))
+        return max(num_seqs, num_kept + 1)
 
     def _prefill_budget(self, step: _Step) -> int:
         budget = self.config.max_num_batched_tokens - step.num_tokens
@@ -557,3 +587,8 @@ class StepScheduler:
             request.priority.arrival_s,
             self._order[request.request_id],
         )
+
+
+def _is_yielding(request: Request) -> bool:
+    """Throughput work: it gives its decode slot up when a TPOT SLO needs the time."""
+    return request.priority.preemptible and request.priority.tpot_slo_ms is None

@@ -579,6 +579,39 @@ def test_decodes_are_never_cut_by_the_slo() -> None:
     runner.drain()
 
 
+def test_throughput_decodes_yield_to_a_tpot_slo() -> None:
+    model = expensive_cost_model()
+    scheduler = new_scheduler(
+        num_blocks=512, max_num_seqs=64, max_num_batched_tokens=128, cost_model=model
+    )
+    runner = SimRunner(scheduler)
+    batch = [make_request(f"b{i}", [i, 1], max_tokens=12, rank=2) for i in range(60)]
+    for request in batch:
+        scheduler.add(request)
+    runner.step()
+    assert sum(1 for c in runner.step().chunks if c.is_decode) == 60  # no SLO: all decode
+    slo = make_request("slo", [7, 7], max_tokens=6, rank=1, tpot_slo_ms=10.0)
+    scheduler.add(slo)
+    runner.step()  # slo's prefill
+    while not slo.is_finished:
+        plan = runner.step()
+        decodes = [c for c in plan.chunks if c.is_decode]
+        # 10 ms holds 50 tokens: 16 of prefill floor and 34 decodes, the SLO's included.
+        assert slo.is_finished or any(c.request is slo for c in decodes)
+        assert len(decodes) <= 34
+        assert model.predict(plan.num_batched_tokens, len(plan.chunks)) <= 0.010 + 1e-9
+    assert all(r.status is RequestStatus.RUNNING for r in batch if not r.is_finished)
+    plan = runner.step()  # the SLO request is gone: every batch decode is back
+    assert sum(1 for c in plan.chunks if c.is_decode) == sum(not r.is_finished for r in batch)
+    # An SLO tighter than any step still lets one throughput decode through.
+    scheduler.add(make_request("tight", [9, 9], max_tokens=4, rank=1, tpot_slo_ms=1.0))
+    runner.step()
+    plan = runner.step()
+    assert sum(1 for c in plan.chunks if c.is_decode) == 2
+    runner.drain()
+    check_state(scheduler)
+
+
 # --------------------------------------------------------------------- properties
 
 prompts = st.lists(st.integers(0, 3), min_size=1, max_size=24)
