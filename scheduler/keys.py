@@ -27,7 +27,8 @@ Families (after the prefix):
 - `leases`                sorted set, leased job id -> ms when its lease ends
 - `res:<id>`              stream, one request's result events; expires after the last
 - `workers`               sorted set, worker id -> ms until its capacity report lapses
-- `cap:<worker>`          hash, a worker's measured prefill and decode tokens/s
+- `cap:<worker>`          hash, a worker's measured prefill and decode tokens/s and the
+                          work its engine holds per rank (JSON fields)
 - `rl:<tenant>`           hash, a tenant's RPM and TPM bucket levels
 - `rl_inflight:<tenant>`  sorted set, reservation id -> ms when it lapses (concurrency)
 """
