@@ -68,6 +68,18 @@ class StreamOutput:
 
 
 _END = object()
+# How long a stopped reader gets to end before it is cancelled again (see _stop).
+RECANCEL_S = 0.05
+
+
+async def _cancel_until_done(task: asyncio.Task[Any]) -> None:
+    """Cancel `task` until it has ended. redis-py swallows a cancellation that lands
+    while it opens a connection or sends a command, and a reader of a job that was
+    cancelled while queued would then block on its stream forever (no event comes):
+    the handler waiting for it never returned and a SIGTERM hung on it."""
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=RECANCEL_S)
 
 
 class JobStream:
@@ -87,6 +99,7 @@ class JobStream:
         self._items: asyncio.Queue[Any] = asyncio.Queue()
         self._reader: asyncio.Task[None] | None = None
         self._watchdog: asyncio.Task[None] | None = None
+        self._stopper: asyncio.Future[None] | None = None
         self._ended = False
 
     @property
@@ -159,11 +172,16 @@ class JobStream:
                 watchdog.cancel()
 
     async def _stop(self, error: BaseException) -> None:
+        """End the stream with `error` and wait until its reader has stopped. The reader
+        is stopped even if the caller is cancelled meanwhile (and the caller's own
+        cancellation is not swallowed)."""
         self._end(error)
-        if self._reader is not None and not self._reader.done():
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._reader
+        reader = self._reader
+        if reader is None or reader.done():
+            return
+        if self._stopper is None:
+            self._stopper = asyncio.ensure_future(_cancel_until_done(reader))
+        await asyncio.shield(self._stopper)
 
     def __aiter__(self) -> AsyncIterator[StreamOutput]:
         return self._iterate()

@@ -9,12 +9,14 @@ away cancels its job. Every admitted request leaves one UsageRecord.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol, TypeVar
 
+import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
@@ -52,6 +54,8 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 OWN_TIER_ALIASES = frozenset({"auto", "default"})
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 
 class Tokenizer(Protocol):
@@ -363,10 +367,12 @@ class OpenAIRoutes:
             outcome = "error"
             yield b"data: " + error_response(exc).body + b"\n\n"
         finally:
-            if outcome == "aborted":
-                # The client went away mid-stream (the server cancelled this generator).
-                await self.deps.dispatcher.cancel(exchange.request_id)
-            self._finish(exchange, outcome)
+            # The server cancels this generator when the client goes away; the clean-up
+            # must still run (job cancelled, reservation released), so it is shielded.
+            with anyio.CancelScope(shield=True):
+                if outcome == "aborted":
+                    await self._cancel_quietly(exchange)
+                self._finish(exchange, outcome)
 
     def _account(self, exchange: _Exchange, output: Any) -> None:
         if output.new_token_ids:
@@ -388,8 +394,16 @@ class OpenAIRoutes:
             self.deps.telemetry.request_finished(record, exchange.timeline())
 
     async def _finish_aborted(self, exchange: _Exchange) -> None:
-        await self.deps.dispatcher.cancel(exchange.request_id)
+        await self._cancel_quietly(exchange)
         self._finish(exchange, "aborted")
+
+    async def _cancel_quietly(self, exchange: _Exchange) -> None:
+        """Cancel the job of a client that went away. Nobody is left to answer, so a
+        queue that cannot be reached is logged (the job then runs to its end unread)."""
+        try:
+            await self.deps.dispatcher.cancel(exchange.request_id)
+        except Exception as exc:
+            log.warning("request %s: could not cancel its job: %r", exchange.request_id, exc)
 
     async def _unless_disconnected(self, request: Request, work: Awaitable[T]) -> T:
         """Await work, but give up (ClientDisconnectedError) if the client disconnects."""
