@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -23,9 +24,11 @@ from gateway.tiers import TierPolicy
 from scheduler.admission import AdmissionConfig, NoCapacityError, SloUnattainableError, check_slo
 from scheduler.backend import (
     BackendUnavailableError,
+    FleetCapacity,
     QueueBackend,
     QueueFullError,
     UnknownTierError,
+    WorkAhead,
 )
 from scheduler.job import Job
 from scheduler.policy import TierConfig
@@ -54,6 +57,34 @@ def unavailable(exc: BackendUnavailableError) -> ServiceUnavailableError:
     )
 
 
+# Workers report their capacity once per heartbeat (1 s), so reading it again for every
+# request (three Redis round trips) bought nothing; a value this young is as fresh.
+CAPACITY_MAX_AGE_MS = 100.0
+
+
+class RecentCapacity:
+    """The queue as SLO admission reads it, with `fleet_capacity` remembered for
+    `max_age_ms`; `work_ahead` (which changes with every enqueue) is always read."""
+
+    def __init__(self, backend: QueueBackend, max_age_ms: float) -> None:
+        self._backend = backend
+        self._max_age_s = max_age_ms / 1000.0
+        self._capacity: FleetCapacity | None = None
+        self._read_at_s = 0.0
+
+    async def fleet_capacity(self) -> FleetCapacity:
+        now_s = time.monotonic()
+        if self._capacity is None or now_s - self._read_at_s > self._max_age_s:
+            self._capacity = await self._backend.fleet_capacity()
+            self._read_at_s = now_s
+        return self._capacity
+
+    async def work_ahead(
+        self, tier: str, tenant_id: str, weight: float, num_prompt_tokens: int = 0
+    ) -> WorkAhead:
+        return await self._backend.work_ahead(tier, tenant_id, weight, num_prompt_tokens)
+
+
 class Admission:
     """Rate limits, SLO admission and enqueue for one gateway process."""
 
@@ -65,8 +96,10 @@ class Admission:
         config: AdmissionConfig | None = None,
         queue_timeout_grace_ms: float = 250.0,
         on_unknown_tier: Callable[[], Awaitable[None]] | None = None,
+        capacity_max_age_ms: float = CAPACITY_MAX_AGE_MS,
     ) -> None:
         self._limiter = limiter
+        self._capacity = RecentCapacity(jobs.backend, capacity_max_age_ms)
         self._on_unknown_tier = on_unknown_tier
         self._jobs = jobs
         self._config = config or AdmissionConfig()
@@ -102,7 +135,9 @@ class Admission:
         """SLO admission, then enqueue; returns the job's result stream."""
         headers = headers or {}
         try:
-            await check_slo(self.backend, job, tier_config(tier), self._config)
+            # check_slo reads only fleet_capacity and work_ahead, which RecentCapacity has.
+            slo_inputs: Any = self._capacity
+            await check_slo(slo_inputs, job, tier_config(tier), self._config)
             timeout_ms = None if job.max_queue_ms is None else job.max_queue_ms + self._grace_ms
             try:
                 return await self._jobs.submit_and_wait(job, queue_timeout_ms=timeout_ms)
