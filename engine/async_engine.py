@@ -225,8 +225,25 @@ class AsyncEngine:
                 _send(stream, exc)
 
     def _deliver_all(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
-            self._deliver(output)
+        # One thread-safe hand-off per event loop per step, not one per output: each
+        # hand-off writes the loop's wake-up pipe, and a step yields an output for every
+        # running request.
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        with self._lock:
+            for output in outputs:
+                stream = self._streams.get(output.request_id)
+                if stream is None:
+                    continue  # the caller left; its abort command is on the way
+                if output.finished:
+                    del self._streams[output.request_id]
+                by_loop.setdefault(stream.loop, []).append((stream, output))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the callers' event loop is closed
+                for _, output in items:
+                    if not output.finished:
+                        self.abort(output.request_id)
 
     def _deliver(self, output: RequestOutput) -> None:
         with self._lock:
@@ -260,6 +277,12 @@ class AsyncEngine:
             self._commands = []
         for stream in streams:
             _send(stream, error)
+
+
+def _put_all(items: list[tuple[_Stream, RequestOutput]]) -> None:
+    """Runs on the callers' event loop: hand each output to its stream."""
+    for stream, output in items:
+        stream.queue.put_nowait(output)
 
 
 def _send(stream: _Stream, item: RequestOutput | BaseException) -> bool:
