@@ -120,6 +120,10 @@ async def test_dispatcher_publishes_its_engines_backlog(engine) -> None:
     try:
         stream = (await jobs.submit_and_wait(job)).__aiter__()
         await anext(stream)  # prefilled and decoding in the engine, gone from the queue
+        for _ in range(250):  # the engine thread publishes its stats after the step
+            if engine.stats().num_running == 1:
+                break
+            await asyncio.sleep(0.02)
         await dispatcher.publish_capacity()
         fleet = await backend.fleet_capacity()
         queued = (await backend.depth()).get("rank2")
