@@ -23,9 +23,7 @@ import math
 import os
 import secrets
 import signal
-import socket
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -41,25 +39,25 @@ import redis.asyncio as aioredis
 from scheduler.keys import KeySpace
 from scheduler.policy import PolicyConfig
 from tests.conftest import REDIS_URL, _create_postgres_database, _drop_postgres_database
+from tests.fleet_processes import (
+    ONE_THREAD,
+    delete_redis_prefix,
+    free_port,
+    spawn_tiergate,
+    stop_processes,
+    wait_ready,
+)
 
 pytestmark = pytest.mark.slow
 
 MODEL = "tiny-random"
 PROMPT = "hello there"  # greedy tiny-random runs past 200 tokens on it without an eos
-ROOT = Path(__file__).resolve().parent.parent
 # One torch thread per process: two workers with a thread per core each would fight
 # the gateways (and each other) for the same two cores.
-ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 # Short leases so that the SIGKILL test resumes a job within seconds; the worker's
 # capacity report then lives max(5 heartbeats, 2 s) = 3.75 s.
 LEASE_MS = 3000
 MAX_NUM_SEQS = 4  # per worker: the queue, not the engines, holds the backlog
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -106,42 +104,6 @@ class Fleet:
             return reply.json()
 
 
-def _spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-    with log.open("wb") as out:  # the child keeps its own descriptor
-        return subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", *args],
-            cwd=ROOT,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-
-
-def _wait_ready(url: str, procs: list[subprocess.Popen], timeout_s: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for proc in procs:
-            if proc.poll() is not None:
-                raise RuntimeError(f"a fleet process exited with {proc.returncode}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                return
-        time.sleep(0.3)
-    raise TimeoutError(f"{url} did not become ready")
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    for proc in procs:
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory) -> Iterator[Fleet]:
     from gateway.migrate import upgrade_to_head
@@ -166,7 +128,7 @@ def fleet(tmp_path_factory) -> Iterator[Fleet]:
     fleet = Fleet([], admin_token, prefix)
     try:
         for name in ("w1", "w2"):
-            worker = _spawn(
+            worker = spawn_tiergate(
                 [
                     "worker",
                     "--device=cpu",
@@ -182,22 +144,17 @@ def fleet(tmp_path_factory) -> Iterator[Fleet]:
             fleet.workers[name] = worker
             procs.append(worker)
         for i in range(2):
-            port = _free_port()
-            procs.append(_spawn(["gateway", f"--port={port}"], env, logs / f"gateway{i}.log"))
+            port = free_port()
+            procs.append(
+                spawn_tiergate(["gateway", f"--port={port}"], env, logs / f"gateway{i}.log")
+            )
             fleet.gateways.append(f"http://127.0.0.1:{port}")
         for url in fleet.gateways:
-            _wait_ready(url, procs)
+            wait_ready(url, procs)
         yield fleet
     finally:
-        _stop(procs)
-        client = redis.Redis.from_url(REDIS_URL)
-        try:
-            escaped = prefix.replace("{", "\\{").replace("}", "\\}")
-            names = list(client.scan_iter(match=escaped + "*", count=1000))
-            if names:
-                client.delete(*names)
-        finally:
-            client.close()
+        stop_processes(procs)
+        delete_redis_prefix(REDIS_URL, prefix)
         _drop_postgres_database(database_url)
 
 
@@ -689,7 +646,7 @@ class RedisServer:
     """A redis-server of this test's own on a free port (never the shared one)."""
 
     def __init__(self, log: Path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self._log = log
         self.proc: subprocess.Popen | None = None
@@ -729,7 +686,7 @@ def lone_server(tmp_path) -> Iterator[tuple[str, str, RedisServer]]:
     (base URL, API key, the Redis server)."""
     store = RedisServer(tmp_path / "redis.log")
     store.start()
-    port = _free_port()
+    port = free_port()
     admin_token = secrets.token_urlsafe(16)
     env = {
         **os.environ,
@@ -743,10 +700,10 @@ def lone_server(tmp_path) -> Iterator[tuple[str, str, RedisServer]]:
         "TIERGATE_DATA_DIR": str(tmp_path / "data"),
     }
     env.pop("TIERGATE_DATABASE_URL", None)
-    server = _spawn(["serve", f"--port={port}"], env, tmp_path / "serve.log")
+    server = spawn_tiergate(["serve", f"--port={port}"], env, tmp_path / "serve.log")
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(url, [server])
+        wait_ready(url, [server])
         with httpx.Client(
             base_url=f"{url}/admin/v1", headers={"authorization": f"Bearer {admin_token}"}
         ) as admin:
@@ -756,7 +713,7 @@ def lone_server(tmp_path) -> Iterator[tuple[str, str, RedisServer]]:
             key.raise_for_status()
         yield url, key.json()["secret"], store
     finally:
-        _stop([server])
+        stop_processes([server])
         store.stop()
 
 

@@ -16,14 +16,11 @@ batches are small (tens of lines, few tokens) and each process runs one torch th
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -41,49 +38,25 @@ import redis.asyncio as aioredis
 from scheduler.keys import FAMILIES, KeySpace
 from scheduler.redis_backend import RedisBackend
 from tests.conftest import REDIS_URL, _create_postgres_database, _drop_postgres_database
+from tests.fleet_processes import (
+    ONE_THREAD,
+    delete_redis_prefix,
+    free_port,
+    spawn_tiergate,
+    stop_processes,
+    wait_ready,
+)
 
 pytestmark = pytest.mark.slow
 
 MODEL = "tiny-random"
 CHAT = "/v1/chat/completions"
-ROOT = Path(__file__).resolve().parents[2]
-ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 LEASE_MS = 3000  # a SIGKILLed worker's jobs are resumed elsewhere after this
 BATCH_LEASE_S = 2.0  # a SIGKILLed gateway's batches are taken over after this
 MAX_NUM_SEQS = 4  # per worker, so that a batch's lines wait in the shared queue
 NUM_LINES = 24
 MAX_TOKENS = 24
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-    with log.open("ab") as out:  # the child keeps its own descriptor
-        return subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", *args],
-            cwd=ROOT,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-
-
-def _wait_ready(url: str, procs: list[subprocess.Popen], timeout_s: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for proc in procs:
-            if proc.poll() is not None:
-                raise RuntimeError(f"a fleet process exited with {proc.returncode}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                return
-        time.sleep(0.3)
-    raise TimeoutError(f"{url} did not become ready")
 
 
 @dataclass
@@ -97,7 +70,7 @@ class Fleet:
     workers: dict[str, subprocess.Popen] = field(default_factory=dict)  # worker id -> process
 
     def start_worker(self, name: str) -> None:
-        self.workers[name] = _spawn(
+        self.workers[name] = spawn_tiergate(
             [
                 "worker",
                 "--device=cpu",
@@ -112,10 +85,10 @@ class Fleet:
         )
 
     def start_gateway(self) -> str:
-        port = _free_port()
+        port = free_port()
         url = f"http://127.0.0.1:{port}"
         log = self.logs / f"gateway-{port}.log"
-        self.gateways[url] = _spawn(["gateway", f"--port={port}"], self.env, log)
+        self.gateways[url] = spawn_tiergate(["gateway", f"--port={port}"], self.env, log)
         return url
 
     @property
@@ -170,18 +143,6 @@ class Fleet:
             client.close()
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    for proc in procs:
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory) -> Iterator[Fleet]:
     from gateway.migrate import upgrade_to_head
@@ -211,17 +172,11 @@ def fleet(tmp_path_factory) -> Iterator[Fleet]:
             fleet.start_gateway()
         procs = [*fleet.workers.values(), *fleet.gateways.values()]
         for url in fleet.gateways:
-            _wait_ready(url, procs)
+            wait_ready(url, procs)
         yield fleet
     finally:
-        _stop([*fleet.workers.values(), *fleet.gateways.values()])
-        client = redis.Redis.from_url(REDIS_URL)
-        try:
-            names = list(client.scan_iter(match=KeySpace(prefix).pattern(), count=1000))
-            if names:
-                client.delete(*names)
-        finally:
-            client.close()
+        stop_processes([*fleet.workers.values(), *fleet.gateways.values()])
+        delete_redis_prefix(REDIS_URL, prefix)
         _drop_postgres_database(database_url)
 
 
@@ -373,27 +328,43 @@ def test_full_batch_queue_leaves_lines_pending_and_retries_them(fleet: Fleet) ->
     # The tier's queue cap lives in the queue's tier table; no admin change happens
     # below, so nothing pushes the table over it until it is restored.
     asyncio.run(set_cap(cap))
+    workers = list(fleet.workers.values())
+    depth_key = KeySpace(fleet.prefix).depth
+    store = redis.Redis.from_url(REDIS_URL, decode_responses=True)
     try:
         client = fleet.client(key)
-        batch_id = _submit(client, _lines())
-        depth_key = KeySpace(fleet.prefix).depth
-        store = redis.Redis.from_url(REDIS_URL, decode_responses=True)
-        max_depth = 0
+        # Paused workers lease nothing, so the queue must fill to the cap and stop there
+        # (well inside the workers' capacity TTL, so the fleet stays live).
+        for worker in workers:
+            worker.send_signal(signal.SIGSTOP)
         try:
-            while client.batches.retrieve(batch_id).status not in TERMINAL:
-                max_depth = max(max_depth, int(store.hget(depth_key, "batch") or 0))
+            batch_id = _submit(client, _lines())
+            _until(
+                lambda: int(store.hget(depth_key, "batch") or 0) >= cap or None,
+                timeout_s=30,
+                what="the batch tier's queue to fill to its cap",
+            )
+            held = []
+            for _ in range(10):  # the driver keeps retrying refused lines meanwhile
+                held.append(int(store.hget(depth_key, "batch") or 0))
                 time.sleep(0.05)
+            assert held == [cap] * len(held)
         finally:
-            store.close()
+            for worker in workers:
+                worker.send_signal(signal.SIGCONT)
+        max_depth = cap
+        while client.batches.retrieve(batch_id).status not in TERMINAL:
+            max_depth = max(max_depth, int(store.hget(depth_key, "batch") or 0))
+            time.sleep(0.05)
     finally:
+        store.close()
         asyncio.run(set_cap(None))
     batch = client.batches.retrieve(batch_id)
     assert batch.status == "completed"
     output, errors = _results(client, batch, NUM_LINES)
     assert not errors  # refused lines were retried, none failed
     assert len(output) == NUM_LINES
-    # The window (up to 64 lines) was far above the cap: the cap was reached, never passed.
-    assert max_depth == cap
+    assert max_depth == cap  # reached while the workers were paused, never passed
 
 
 def test_cancel_ends_the_batch_and_drains_its_jobs(fleet: Fleet) -> None:

@@ -1,0 +1,76 @@
+"""Helpers for tests that run real `tiergate` processes (gateways, workers) side by side."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import redis
+
+from scheduler.keys import KeySpace
+
+ROOT = Path(__file__).resolve().parents[1]
+# Every process of a fleet shares two cores: one torch thread each avoids oversubscription.
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def spawn_tiergate(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    """`tiergate ARGS` in a child process whose output is appended to `log`."""
+    with log.open("ab") as out:  # the child keeps its own descriptor
+        return subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", *args],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def wait_ready(url: str, procs: list[subprocess.Popen], timeout_s: float = 180.0) -> None:
+    """Until `url`/readyz answers 200; fails at once if a process of the fleet exits."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for proc in procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"a fleet process exited with {proc.returncode}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                return
+        time.sleep(0.3)
+    raise TimeoutError(f"{url} did not become ready")
+
+
+def stop_processes(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM (the processes drain), then SIGKILL whatever is still up after 30 s."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def delete_redis_prefix(redis_url: str, prefix: str) -> None:
+    """Remove every key a fleet made under its own prefix."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        names = list(client.scan_iter(match=KeySpace(prefix).pattern(), count=1000))
+        if names:
+            client.delete(*names)
+    finally:
+        client.close()
