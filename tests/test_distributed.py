@@ -414,6 +414,7 @@ def _assert_backlogged(result: FloodResult, start_s: float, end_s: float) -> Non
         assert min(queued.values()) >= 1, f"a tenant ran out of queued work: {queued}"
 
 
+@pytest.mark.timing
 def test_backlogged_tenants_share_by_weight(flood: FloodResult) -> None:
     start_s, end_s = flood.window_start_s, flood.window_end_s
     tokens = flood.weighted_tokens()
@@ -430,6 +431,7 @@ def test_backlogged_tenants_share_by_weight(flood: FloodResult) -> None:
     assert abs(ratio - 3.0) <= 0.05 * 3.0
 
 
+@pytest.mark.timing
 def test_rank_zero_ttft_meets_its_slo_under_a_batch_flood(flood: FloodResult) -> None:
     probes = flood.probes
     assert len(probes) >= 10
@@ -496,6 +498,7 @@ def _workers(fleet: Fleet, signum: int) -> None:
             worker.send_signal(signum)
 
 
+@pytest.mark.timing
 def test_slo_refusal_retry_after_is_honest(fleet: Fleet) -> None:
     """One job queued ahead makes a second one miss a tight SLO; its Retry-After is the
     model's wait, and honouring it (the job ahead has left the queue by then) succeeds."""
