@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import subprocess
@@ -18,6 +19,31 @@ from scheduler.keys import KeySpace
 ROOT = Path(__file__).resolve().parents[1]
 # Every process of a fleet shares two cores: one torch thread each avoids oversubscription.
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def fleet_env(
+    *,
+    database_url: str,
+    redis_url: str,
+    prefix: str,
+    admin_token: str,
+    data_dir: Path,
+    **extra: str,
+) -> dict[str, str]:
+    """The environment every process of a test fleet shares: one database, one Redis
+    prefix, the tiny model with a short context, one torch thread."""
+    return {
+        **os.environ,
+        **ONE_THREAD,
+        "TIERGATE_DATABASE_URL": database_url,
+        "TIERGATE_REDIS_URL": redis_url,
+        "TIERGATE_REDIS_PREFIX": prefix,
+        "TIERGATE_ADMIN_TOKEN": admin_token,
+        "TIERGATE_MODEL": "tiny-random",
+        "TIERGATE_MAX_MODEL_LEN": "256",
+        "TIERGATE_DATA_DIR": str(data_dir),
+        **extra,
+    }
 
 
 def free_port() -> int:

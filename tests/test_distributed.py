@@ -42,6 +42,7 @@ from tests.conftest import REDIS_URL, _create_postgres_database, _drop_postgres_
 from tests.fleet_processes import (
     ONE_THREAD,
     delete_redis_prefix,
+    fleet_env,
     free_port,
     spawn_tiergate,
     stop_processes,
@@ -113,17 +114,13 @@ def fleet(tmp_path_factory) -> Iterator[Fleet]:
     logs = tmp_path_factory.mktemp("fleet")
     prefix = f"{{tgfleet-{uuid.uuid4().hex[:10]}}}:"
     admin_token = secrets.token_urlsafe(16)
-    env = {
-        **os.environ,
-        **ONE_THREAD,
-        "TIERGATE_DATABASE_URL": database_url,
-        "TIERGATE_REDIS_URL": REDIS_URL,
-        "TIERGATE_REDIS_PREFIX": prefix,
-        "TIERGATE_ADMIN_TOKEN": admin_token,
-        "TIERGATE_MODEL": MODEL,
-        "TIERGATE_MAX_MODEL_LEN": "256",
-        "TIERGATE_DATA_DIR": str(logs),
-    }
+    env = fleet_env(
+        database_url=database_url,
+        redis_url=REDIS_URL,
+        prefix=prefix,
+        admin_token=admin_token,
+        data_dir=logs,
+    )
     procs: list[subprocess.Popen] = []
     fleet = Fleet([], admin_token, prefix)
     try:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import secrets
 import signal
 import subprocess
@@ -39,8 +38,8 @@ from scheduler.keys import FAMILIES, KeySpace
 from scheduler.redis_backend import RedisBackend
 from tests.conftest import REDIS_URL, _create_postgres_database, _drop_postgres_database
 from tests.fleet_processes import (
-    ONE_THREAD,
     delete_redis_prefix,
+    fleet_env,
     free_port,
     spawn_tiergate,
     stop_processes,
@@ -152,18 +151,14 @@ def fleet(tmp_path_factory) -> Iterator[Fleet]:
     logs = tmp_path_factory.mktemp("batch-fleet")
     prefix = f"{{tgbatch-{uuid.uuid4().hex[:10]}}}:"
     admin_token = secrets.token_urlsafe(16)
-    env = {
-        **os.environ,
-        **ONE_THREAD,
-        "TIERGATE_DATABASE_URL": database_url,
-        "TIERGATE_REDIS_URL": REDIS_URL,
-        "TIERGATE_REDIS_PREFIX": prefix,
-        "TIERGATE_ADMIN_TOKEN": admin_token,
-        "TIERGATE_MODEL": MODEL,
-        "TIERGATE_MAX_MODEL_LEN": "256",
-        "TIERGATE_DATA_DIR": str(logs),
-        "TIERGATE_BATCH_LEASE_S": str(BATCH_LEASE_S),
-    }
+    env = fleet_env(
+        database_url=database_url,
+        redis_url=REDIS_URL,
+        prefix=prefix,
+        admin_token=admin_token,
+        data_dir=logs,
+        TIERGATE_BATCH_LEASE_S=str(BATCH_LEASE_S),
+    )
     fleet = Fleet(database_url, admin_token, prefix, env, logs)
     try:
         for name in ("w1", "w2"):
