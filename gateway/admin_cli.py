@@ -40,6 +40,7 @@ _TIER_FLAGS: list[tuple[str, Callable[[str], Any]]] = [
     ("--ttft-slo-ms", _float_or_none),
     ("--tpot-slo-ms", _float_or_none),
     ("--max-queue-ms", _float_or_none),
+    ("--max-queued-jobs", _int_or_none),
     ("--completion-window-s", _int_or_none),
     ("--min-share", float),
     ("--rpm", _int_or_none),

@@ -47,7 +47,11 @@ RATE_LIMIT_CODES = {
 def tier_config(tier: TierPolicy) -> TierConfig:
     """What the queue needs to know about a tier row."""
     return TierConfig(
-        name=tier.name, rank=tier.rank, min_share=tier.min_share, ttft_slo_ms=tier.ttft_slo_ms
+        name=tier.name,
+        rank=tier.rank,
+        min_share=tier.min_share,
+        ttft_slo_ms=tier.ttft_slo_ms,
+        max_queued_jobs=tier.max_queued_jobs,
     )
 
 

@@ -1,8 +1,9 @@
 """Tier policies and a cached, in-process view of the tiers table.
 
 A tier says how its tenants' requests are scheduled (rank, SLOs, queue TTL, batch
-window, guaranteed share, preemptibility), their default limits and their prices. The
-built-in tiers and their defaults are documented in migrations/versions/0002_seed_tiers.py.
+window, queue cap, guaranteed share, preemptibility), their default limits and their
+prices. The built-in tiers and their defaults are documented in
+migrations/versions/0002_seed_tiers.py (and the batch tier's queue cap in 0006).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class TierPolicy:
     ttft_slo_ms: float | None  # None for throughput tiers
     tpot_slo_ms: float | None
     max_queue_ms: float | None  # time a request may wait queued before it is dropped
+    max_queued_jobs: int | None  # queued jobs of all tenants together; more are refused
     completion_window_s: int | None  # batch deadline
     min_share: float  # share of token throughput kept even when better ranks are busy
     preemptible: bool
@@ -44,6 +46,7 @@ class TierPolicy:
             ttft_slo_ms=row.ttft_slo_ms,
             tpot_slo_ms=row.tpot_slo_ms,
             max_queue_ms=row.max_queue_ms,
+            max_queued_jobs=row.max_queued_jobs,
             completion_window_s=row.completion_window_s,
             min_share=row.min_share,
             preemptible=row.preemptible,

@@ -43,11 +43,13 @@ from gateway.errors import (
 
 Handler = Callable[[Request], Awaitable[Response]]
 
-# Defaults of a tier created without them: no SLO, no limits, free, not preemptible.
+# Defaults of a tier created without them: no SLO, no queue cap, no limits, free, not
+# preemptible.
 TIER_DEFAULTS: dict[str, Any] = {
     "ttft_slo_ms": None,
     "tpot_slo_ms": None,
     "max_queue_ms": None,
+    "max_queued_jobs": None,
     "completion_window_s": None,
     "min_share": 0.0,
     "preemptible": False,

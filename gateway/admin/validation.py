@@ -151,6 +151,7 @@ TIER_FIELDS: dict[str, Field] = {
     "ttft_slo_ms": Field("number", nullable=True, min=0, min_exclusive=True),
     "tpot_slo_ms": Field("number", nullable=True, min=0, min_exclusive=True),
     "max_queue_ms": Field("number", nullable=True, min=0, min_exclusive=True),
+    "max_queued_jobs": Field("int", nullable=True, min=1),
     "completion_window_s": Field("int", nullable=True, min=1),
     "min_share": Field("number", min=0, max=1, max_exclusive=True),
     "preemptible": Field("bool"),

@@ -13,6 +13,7 @@ TIER_COLUMNS = (
     "ttft_slo_ms",
     "tpot_slo_ms",
     "max_queue_ms",
+    "max_queued_jobs",
     "completion_window_s",
     "min_share",
     "preemptible",

@@ -83,6 +83,8 @@ class Tier(Base):
     ttft_slo_ms: Mapped[float | None] = mapped_column(Float)
     tpot_slo_ms: Mapped[float | None] = mapped_column(Float)
     max_queue_ms: Mapped[float | None] = mapped_column(Float)
+    # Queued jobs the tier holds at most, all tenants together (migration 0006).
+    max_queued_jobs: Mapped[int | None] = mapped_column(Integer)
     completion_window_s: Mapped[int | None] = mapped_column(Integer)
     min_share: Mapped[float] = mapped_column(Float, default=0.0)
     preemptible: Mapped[bool] = mapped_column(Boolean, default=False)

@@ -103,6 +103,8 @@ async def test_empty_admin_token_disables_admin_api(db_sessionmaker) -> None:
 async def test_tier_lifecycle(admin: Admin) -> None:
     listed = (await admin.client.get("/admin/v1/tiers")).json()
     assert [t["name"] for t in listed["data"]] == ["priority", "interactive", "batch"]
+    # Only the throughput tier is capped out of the box (migration 0006).
+    assert [t["max_queued_jobs"] for t in listed["data"]] == [None, None, 10_000]
 
     body = {"name": "gold", "rank": 0, "ttft_slo_ms": 250, "rpm": 1000, "min_share": 0.2}
     created = await admin.client.post("/admin/v1/tiers", json=body)
@@ -111,6 +113,7 @@ async def test_tier_lifecycle(admin: Admin) -> None:
     assert gold["ttft_slo_ms"] == 250.0
     assert gold["preemptible"] is False
     assert gold["tpm"] is None
+    assert gold["max_queued_jobs"] is None  # no cap unless one is set
     assert (await admin.tiers.get("gold")).rpm == 1000  # catalog invalidated
 
     duplicate = await admin.client.post("/admin/v1/tiers", json=body)
@@ -120,6 +123,17 @@ async def test_tier_lifecycle(admin: Admin) -> None:
     assert patched.status_code == 200, patched.text
     assert patched.json()["rpm"] is None
     assert (await admin.tiers.get("gold")).rank == 3
+
+    capped = await admin.client.patch("/admin/v1/tiers/gold", json={"max_queued_jobs": 50})
+    assert capped.status_code == 200, capped.text
+    assert capped.json()["max_queued_jobs"] == 50
+    assert (await admin.tiers.get("gold")).max_queued_jobs == 50
+    assert (await admin.client.get("/admin/v1/tiers/gold")).json()["max_queued_jobs"] == 50
+    bad = await admin.client.patch("/admin/v1/tiers/gold", json={"max_queued_jobs": 0})
+    _assert_error(bad, 400, param="max_queued_jobs")
+    uncapped = await admin.client.patch("/admin/v1/tiers/gold", json={"max_queued_jobs": None})
+    assert uncapped.json()["max_queued_jobs"] is None
+    assert (await admin.tiers.get("gold")).max_queued_jobs is None
 
     _assert_error(await admin.client.patch("/admin/v1/tiers/gold", json={"name": "x"}), 400)
     assert (await admin.client.get("/admin/v1/tiers/gold")).json()["rank"] == 3
@@ -167,6 +181,12 @@ BAD_BODIES = [
     ("/tiers", b'{"name": "x", "rank": 1, "rpm": 99999999999999}', "rpm"),
     ("/tiers", b'{"name": "x", "rank": 1, "rpm": 0}', "rpm"),
     ("/tiers", b'{"name": "x", "rank": 1, "ttft_slo_ms": 0}', "ttft_slo_ms"),
+    ("/tiers", b'{"name": "x", "rank": 1, "max_queued_jobs": 0}', "max_queued_jobs"),
+    ("/tiers", b'{"name": "x", "rank": 1, "max_queued_jobs": -3}', "max_queued_jobs"),
+    ("/tiers", b'{"name": "x", "rank": 1, "max_queued_jobs": 2.5}', "max_queued_jobs"),
+    ("/tiers", b'{"name": "x", "rank": 1, "max_queued_jobs": "10"}', "max_queued_jobs"),
+    ("/tiers", b'{"name": "x", "rank": 1, "max_queued_jobs": true}', "max_queued_jobs"),
+    ("/tiers", b'{"name": "x", "rank": 1, "max_queued_jobs": 4294967296}', "max_queued_jobs"),
     ("/tiers", b'{"name": "x", "rank": 1, "min_share": 1}', "min_share"),
     ("/tiers", b'{"name": "x", "rank": 1, "preemptible": 1}', "preemptible"),
     ("/tiers", b'{"name": "x", "rank": 1, "price_input_per_mtok": -1}', None),

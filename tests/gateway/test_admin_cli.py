@@ -72,12 +72,16 @@ def test_admin_cli_round_trip(server_url: str, capsys) -> None:
 
     code, gold, _ = _run(
         capsys, server_url, "tiers", "create", "gold", "--rank", "0", "--ttft-slo-ms", "300",
-        "--preemptible", "--rpm", "50",
+        "--preemptible", "--rpm", "50", "--max-queued-jobs", "20",
     )  # fmt: skip
     assert code == 0
     assert (gold["ttft_slo_ms"], gold["preemptible"], gold["rpm"]) == (300.0, True, 50)
+    assert gold["max_queued_jobs"] == 20
     code, gold, _ = _run(capsys, server_url, "tiers", "update", "gold", "--rpm", "none")
     assert (code, gold["rpm"], gold["ttft_slo_ms"]) == (0, None, 300.0)  # only what was asked
+    assert gold["max_queued_jobs"] == 20
+    code, gold, _ = _run(capsys, server_url, "tiers", "update", "gold", "--max-queued-jobs", "none")
+    assert (code, gold["max_queued_jobs"]) == (0, None)
 
     code, tenant, _ = _run(capsys, server_url, "tenants", "create", "acme", "--tier", "gold")
     assert code == 0

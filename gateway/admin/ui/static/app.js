@@ -114,7 +114,9 @@ function draw(live) {
   );
 }
 
-const TIER_FIELDS = ["rank", "min_share", "ttft_slo_ms", "tpot_slo_ms", "max_queue_ms", "rpm", "tpm", "max_concurrency"];
+const TIER_FIELDS = [
+  "rank", "min_share", "ttft_slo_ms", "tpot_slo_ms", "max_queue_ms", "max_queued_jobs", "rpm", "tpm", "max_concurrency",
+];
 
 function drawTiers(tiers, live) {
   const byName = Object.fromEntries(live.tiers.map((t) => [t.name, t]));

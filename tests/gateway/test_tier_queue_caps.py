@@ -1,0 +1,202 @@
+"""A tier's queue cap (tiers.max_queued_jobs) through a live server and the openai client:
+the request past the cap gets 429 `queue_full`, and cap changes made through the admin
+API apply to the running queue. On SQLite and PostgreSQL, each with the in-memory queue
+and with the Redis queue (its Lua enqueue enforces the cap there).
+
+The server's engine is paused (it takes no work, as a fleet whose workers are all busy),
+so queued jobs stay queued until the test lets them run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import REDIS_URL
+from tests.fleet_processes import delete_redis_prefix
+from tests.gateway.conftest import ServerThread, build_test_engine
+
+CAP = 2
+PROMPT = "hello there"
+
+
+class PausableEngine:
+    """The real engine, except that it takes no new request while paused."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self.is_paused = False
+
+    def can_accept(self, rank: int | None = None) -> bool:
+        return not self.is_paused and self._engine.can_accept(rank)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+
+class CapServer:
+    def __init__(self, base_url: str, admin_token: str, engine: PausableEngine) -> None:
+        self.base_url = base_url
+        self.admin_token = admin_token
+        self.engine = engine
+
+    def admin(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            base_url=f"{self.base_url}/admin/v1",
+            headers={"authorization": f"Bearer {self.admin_token}"},
+            timeout=30,
+        )
+
+
+@pytest.fixture(scope="module", params=["memory", "redis"])
+def queue_kind(request: pytest.FixtureRequest) -> Iterator[tuple[str | None, str]]:
+    """(Redis URL or None, key prefix) of the queue the server uses."""
+    if request.param == "memory":
+        yield None, "{tiergate}:"
+        return
+    prefix = f"{{tgcap-{uuid.uuid4().hex[:10]}}}:"
+    yield REDIS_URL, prefix
+    delete_redis_prefix(REDIS_URL, prefix)
+
+
+@pytest.fixture(scope="module")
+def cap_server(live_database_url: str, queue_kind, tmp_path_factory) -> Iterator[CapServer]:
+    from gateway.app import build_app
+    from gateway.migrate import upgrade_to_head
+    from gateway.settings import Settings
+
+    if not live_database_url.startswith("sqlite"):
+        upgrade_to_head(live_database_url)
+    redis_url, prefix = queue_kind
+    data_dir: Path = tmp_path_factory.mktemp("cap-data")
+    settings = Settings(
+        data_dir=data_dir,
+        database_url=live_database_url,
+        redis_url=redis_url,
+        redis_prefix=prefix,
+        admin_token=secrets.token_urlsafe(24),
+        model="tiny-random",
+        device="cpu",
+    )
+    engine = PausableEngine(build_test_engine())
+    thread = ServerThread(build_app(settings, engine=engine))
+    thread.start()
+    try:
+        yield CapServer(f"http://127.0.0.1:{thread.port}", settings.admin_token or "", engine)
+    finally:
+        engine.is_paused = False
+        thread.stop()
+
+
+async def _queued(admin: httpx.AsyncClient, tier: str) -> int:
+    reply = await admin.get("/queues")
+    reply.raise_for_status()
+    return reply.json()["tiers"].get(tier, {}).get("queued_jobs", 0)
+
+
+async def _until_queued(admin: httpx.AsyncClient, tier: str, num_jobs: int) -> None:
+    deadline_s = time.monotonic() + 10.0
+    while await _queued(admin, tier) != num_jobs:
+        assert time.monotonic() < deadline_s, f"{tier} never held {num_jobs} queued jobs"
+        await asyncio.sleep(0.02)
+
+
+async def _enqueue_once_allowed(
+    client: openai.AsyncOpenAI, admin: httpx.AsyncClient, tier: str, num_jobs: int
+) -> asyncio.Task:
+    """Send requests until one is queued as job number `num_jobs` (a raised cap reaches the
+    queue within a second of the admin change); return the task of the queued one."""
+    deadline_s = time.monotonic() + 1.0
+    while True:
+        task = asyncio.create_task(_complete(client))
+        while not task.done():
+            if await _queued(admin, tier) >= num_jobs:
+                return task
+            await asyncio.sleep(0.02)
+        with pytest.raises(openai.RateLimitError):
+            await task  # refused at the old cap: the change has not arrived yet
+        assert time.monotonic() < deadline_s, "the raised cap did not apply within 1 s"
+
+
+async def _complete(client: openai.AsyncOpenAI) -> Any:
+    return await client.completions.create(
+        model="tiny-random", prompt=PROMPT, max_tokens=4, temperature=0
+    )
+
+
+@pytest.fixture
+async def capped_tenant(cap_server: CapServer) -> AsyncIterator[tuple[openai.AsyncOpenAI, str]]:
+    """(client of a tenant, its tier): a fresh tier capped at CAP queued jobs."""
+    tier = f"capped-{uuid.uuid4().hex[:6]}"
+    async with cap_server.admin() as admin:
+        created = await admin.post("/tiers", json={"name": tier, "rank": 1, "max_queued_jobs": CAP})
+        assert created.status_code == 201, created.text
+        assert created.json()["max_queued_jobs"] == CAP
+        tenant = await admin.post("/tenants", json={"name": tier, "tier": tier})
+        tenant.raise_for_status()
+        key = await admin.post(f"/tenants/{tenant.json()['id']}/keys", json={})
+        key.raise_for_status()
+    client = openai.AsyncOpenAI(
+        base_url=f"{cap_server.base_url}/v1", api_key=key.json()["secret"], max_retries=0
+    )
+    try:
+        yield client, tier
+    finally:
+        await client.close()
+
+
+async def test_request_past_the_tier_cap_is_429_queue_full(
+    cap_server: CapServer, capped_tenant: tuple[openai.AsyncOpenAI, str]
+) -> None:
+    client, tier = capped_tenant
+    async with cap_server.admin() as admin:
+        cap_server.engine.is_paused = True
+        try:
+            queued = [asyncio.create_task(_complete(client)) for _ in range(CAP)]
+            await _until_queued(admin, tier, CAP)
+            with pytest.raises(openai.RateLimitError) as refused:
+                await _complete(client)
+            assert refused.value.status_code == 429
+            assert refused.value.code == "queue_full"
+            assert tier in refused.value.message
+            assert await _queued(admin, tier) == CAP  # the refused one left no trace
+
+            # A raised cap applies to the running queue: one more fits, then no more.
+            raised = await admin.patch(f"/tiers/{tier}", json={"max_queued_jobs": CAP + 1})
+            assert raised.status_code == 200, raised.text
+            queued.append(await _enqueue_once_allowed(client, admin, tier, CAP + 1))
+            with pytest.raises(openai.RateLimitError) as refused:
+                await _complete(client)
+            assert refused.value.code == "queue_full"
+        finally:
+            cap_server.engine.is_paused = False
+        # Nothing admitted was lost: every queued request runs once the engine takes work.
+        for reply in await asyncio.gather(*queued):
+            assert reply.usage.completion_tokens == 4
+        assert await _queued(admin, tier) == 0
+
+
+async def test_removing_the_cap_lets_the_queue_grow(
+    cap_server: CapServer, capped_tenant: tuple[openai.AsyncOpenAI, str]
+) -> None:
+    client, tier = capped_tenant
+    async with cap_server.admin() as admin:
+        uncapped = await admin.patch(f"/tiers/{tier}", json={"max_queued_jobs": None})
+        assert uncapped.json()["max_queued_jobs"] is None
+        cap_server.engine.is_paused = True
+        try:
+            queued = [await _enqueue_once_allowed(client, admin, tier, 1)]
+            queued += [asyncio.create_task(_complete(client)) for _ in range(3 * CAP)]
+            await _until_queued(admin, tier, 3 * CAP + 1)
+        finally:
+            cap_server.engine.is_paused = False
+        assert len(await asyncio.gather(*queued)) == 3 * CAP + 1
