@@ -23,7 +23,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +32,8 @@ import httpx
 import openai
 import pytest
 import redis
-import redis.asyncio as aioredis
 
 from scheduler.keys import FAMILIES, KeySpace
-from scheduler.redis_backend import RedisBackend
 from tests.conftest import REDIS_URL, _create_postgres_database, _drop_postgres_database
 from tests.fleet_processes import (
     delete_redis_prefix,
@@ -306,26 +304,28 @@ def test_full_batch_queue_leaves_lines_pending_and_retries_them(fleet: Fleet) ->
     _tenant_id, key = fleet.tenant()
     cap = 2
 
-    async def set_cap(max_queued_jobs: int | None) -> None:
-        client = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
-        backend = RedisBackend(client, keys=KeySpace(fleet.prefix))
-        try:
-            tiers = await backend.get_tiers()
-            await backend.configure_tiers(
-                [
-                    replace(t, max_queued_jobs=max_queued_jobs) if t.name == "batch" else t
-                    for t in tiers
-                ]
-            )
-        finally:
-            await backend.aclose()
-
-    # The tier's queue cap lives in the queue's tier table; no admin change happens
-    # below, so nothing pushes the table over it until it is restored.
-    asyncio.run(set_cap(cap))
-    workers = list(fleet.workers.values())
-    depth_key = KeySpace(fleet.prefix).depth
+    keys = KeySpace(fleet.prefix)
     store = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+
+    def set_cap(max_queued_jobs: int | None) -> None:
+        """The batch tier's queue cap, set as an operator does (the admin API), once the
+        queue enforces it."""
+        with fleet.admin() as admin:
+            admin.patch(
+                "/tiers/batch", json={"max_queued_jobs": max_queued_jobs}
+            ).raise_for_status()
+        expected = None if max_queued_jobs is None else str(max_queued_jobs)
+        _until(
+            lambda: store.hget(keys.tier_policy, "max_queued:batch") == expected or None,
+            timeout_s=1,
+            what="the cap to reach the queue",
+        )
+
+    with fleet.admin() as admin:
+        seeded_cap = admin.get("/tiers/batch").json()["max_queued_jobs"]
+    set_cap(cap)
+    workers = list(fleet.workers.values())
+    depth_key = keys.depth
     try:
         client = fleet.client(key)
         # Paused workers lease nothing, so the queue must fill to the cap and stop there
@@ -352,8 +352,8 @@ def test_full_batch_queue_leaves_lines_pending_and_retries_them(fleet: Fleet) ->
             max_depth = max(max_depth, int(store.hget(depth_key, "batch") or 0))
             time.sleep(0.05)
     finally:
+        set_cap(seeded_cap)
         store.close()
-        asyncio.run(set_cap(None))
     batch = client.batches.retrieve(batch_id)
     assert batch.status == "completed"
     output, errors = _results(client, batch, NUM_LINES)
