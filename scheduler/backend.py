@@ -135,6 +135,22 @@ class FleetCapacity:
         )
 
 
+@dataclass(frozen=True)
+class WorkerReport:
+    """One live worker's latest capacity report (it publishes one every heartbeat)."""
+
+    worker_id: str
+    age_ms: int  # since the report was published, by the queue's clock
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    # Sequences in the worker's engine; None when the worker did not say.
+    num_running: int | None = None
+    num_waiting: int | None = None
+    kv_cache_usage: float | None = None  # share of KV-cache blocks in use
+    unprefilled_tokens_by_rank: Mapping[int, int] = field(default_factory=dict)
+    decode_tokens_by_rank: Mapping[int, int] = field(default_factory=dict)
+
+
 def add_by_rank(total: dict[int, int], part: Mapping[int, int]) -> dict[int, int]:
     """Add one worker's per-rank counts into a fleet total (returns `total`)."""
     for rank, num in part.items():
@@ -237,12 +253,20 @@ class QueueBackend(Protocol):
         ttl_ms: int,
         unprefilled_tokens_by_rank: Mapping[int, int] | None = None,
         decode_tokens_by_rank: Mapping[int, int] | None = None,
+        num_running: int | None = None,
+        num_waiting: int | None = None,
+        kv_cache_usage: float | None = None,
     ) -> None:
         """A worker's measured rates and its engine's backlog per rank (EngineStats);
         they count for ttl_ms (publish again to stay live). A report replaces the
-        worker's previous one, backlog included."""
+        worker's previous one, backlog included. The sequence counts and KV-cache use
+        are shown to operators (`worker_reports`), not used by admission."""
         ...
 
     async def fleet_capacity(self) -> FleetCapacity: ...
+
+    async def worker_reports(self) -> list[WorkerReport]:
+        """The latest report of every live worker, by worker id."""
+        ...
 
     async def aclose(self) -> None: ...

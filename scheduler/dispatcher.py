@@ -191,6 +191,9 @@ class Dispatcher:
             ttl_ms=self._config.capacity_ttl_ms,
             unprefilled_tokens_by_rank=getattr(snapshot, "unprefilled_tokens_by_rank", None),
             decode_tokens_by_rank=getattr(snapshot, "decode_tokens_by_rank", None),
+            num_running=getattr(snapshot, "num_running", None),
+            num_waiting=getattr(snapshot, "num_waiting", None),
+            kv_cache_usage=getattr(snapshot, "kv_cache_usage", None),
         )
 
     # ----------------------------------------------------------------- leasing

@@ -28,6 +28,7 @@ from scheduler.backend import (
     TierDepth,
     UnknownTierError,
     WorkAhead,
+    WorkerReport,
     add_by_rank,
 )
 from scheduler.job import Job
@@ -161,6 +162,8 @@ class MemoryBackend:
         # instead of sorting. Rebuilt when the tier table changes or a tier appears.
         self._order: list[tuple[float, _Tier]] = []
         self._workers: dict[str, tuple[int, FleetCapacity]] = {}  # until ms, one report
+        # What worker_reports shows of each report: published at ms, operator fields.
+        self._worker_details: dict[str, tuple[int, int | None, int | None, float | None]] = {}
         self._configure(tiers)
 
     # -- tiers -------------------------------------------------------------------------
@@ -490,7 +493,16 @@ class MemoryBackend:
         ttl_ms: int,
         unprefilled_tokens_by_rank: Mapping[int, int] | None = None,
         decode_tokens_by_rank: Mapping[int, int] | None = None,
+        num_running: int | None = None,
+        num_waiting: int | None = None,
+        kv_cache_usage: float | None = None,
     ) -> None:
+        self._worker_details[worker_id] = (
+            self._clock_ms(),
+            None if num_running is None else int(num_running),
+            None if num_waiting is None else int(num_waiting),
+            None if kv_cache_usage is None else float(kv_cache_usage),
+        )
         report = FleetCapacity(
             1,
             float(prefill_tokens_per_s),
@@ -502,8 +514,7 @@ class MemoryBackend:
 
     async def fleet_capacity(self) -> FleetCapacity:
         now_ms = self._clock_ms()
-        for worker_id in [w for w, (until, _) in self._workers.items() if until <= now_ms]:
-            del self._workers[worker_id]
+        self._drop_lapsed_workers(now_ms)
         live = [report for _, report in self._workers.values()]
         unprefilled: dict[int, int] = {}
         decode: dict[int, int] = {}
@@ -517,6 +528,32 @@ class MemoryBackend:
             unprefilled,
             decode,
         )
+
+    def _drop_lapsed_workers(self, now_ms: int) -> None:
+        for worker_id in [w for w, (until, _) in self._workers.items() if until <= now_ms]:
+            del self._workers[worker_id]
+            self._worker_details.pop(worker_id, None)
+
+    async def worker_reports(self) -> list[WorkerReport]:
+        now_ms = self._clock_ms()
+        self._drop_lapsed_workers(now_ms)
+        reports = []
+        for worker_id, (_, report) in sorted(self._workers.items()):
+            published_ms, running, waiting, kv_usage = self._worker_details[worker_id]
+            reports.append(
+                WorkerReport(
+                    worker_id,
+                    max(0, now_ms - published_ms),
+                    report.prefill_tokens_per_s,
+                    report.decode_tokens_per_s,
+                    running,
+                    waiting,
+                    kv_usage,
+                    dict(report.unprefilled_tokens_by_rank),
+                    dict(report.decode_tokens_by_rank),
+                )
+            )
+        return reports
 
     # -- results -----------------------------------------------------------------------
 

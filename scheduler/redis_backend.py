@@ -37,6 +37,7 @@ from scheduler.backend import (
     TierDepth,
     UnknownTierError,
     WorkAhead,
+    WorkerReport,
     add_by_rank,
 )
 from scheduler.job import Job
@@ -121,6 +122,15 @@ _CAPACITY_FIELDS = (
     "unprefilled_tokens_by_rank",
     "decode_tokens_by_rank",
 )
+
+
+# Further fields of a `cap:<worker>` hash, read only by worker_reports (an operator's
+# view); "" stands for a value the worker did not report.
+_WORKER_DETAIL_FIELDS = ("reported_at_ms", "num_running", "num_waiting", "kv_cache_usage")
+
+
+def _optional(value: float | None) -> str:
+    return "" if value is None else repr(value)
 
 
 def _rank_json(by_rank: Mapping[int, int] | None) -> str:
@@ -349,8 +359,12 @@ class RedisBackend:
         ttl_ms: int,
         unprefilled_tokens_by_rank: Mapping[int, int] | None = None,
         decode_tokens_by_rank: Mapping[int, int] | None = None,
+        num_running: int | None = None,
+        num_waiting: int | None = None,
+        kv_cache_usage: float | None = None,
     ) -> None:
         k = self._keys
+        now_ms = self._clock_ms()
         with unavailable_as_error():
             async with self._redis.pipeline(transaction=True) as pipe:
                 pipe.hset(
@@ -361,10 +375,16 @@ class RedisBackend:
                         # Whole per-rank maps as JSON: read back only by fleet_capacity.
                         "unprefilled_tokens_by_rank": _rank_json(unprefilled_tokens_by_rank),
                         "decode_tokens_by_rank": _rank_json(decode_tokens_by_rank),
+                        "reported_at_ms": now_ms,
+                        "num_running": _optional(None if num_running is None else int(num_running)),
+                        "num_waiting": _optional(None if num_waiting is None else int(num_waiting)),
+                        "kv_cache_usage": _optional(
+                            None if kv_cache_usage is None else float(kv_cache_usage)
+                        ),
                     },
                 )
                 pipe.pexpire(k.capacity(worker_id), ttl_ms)
-                pipe.zadd(k.workers, {worker_id: self._clock_ms() + ttl_ms})
+                pipe.zadd(k.workers, {worker_id: now_ms + ttl_ms})
                 await pipe.execute()
 
     async def fleet_capacity(self) -> FleetCapacity:
@@ -389,6 +409,37 @@ class RedisBackend:
             unprefilled,
             decode,
         )
+
+    async def worker_reports(self) -> list[WorkerReport]:
+        k = self._keys
+        now_ms = self._clock_ms()
+        with unavailable_as_error():
+            # Live as fleet_capacity counts them: a report lapses at its score.
+            workers = sorted(await self._redis.zrangebyscore(k.workers, f"({now_ms}", "+inf"))
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for worker_id in workers:
+                    pipe.hmget(k.capacity(worker_id), *_CAPACITY_FIELDS, *_WORKER_DETAIL_FIELDS)
+                rows = await pipe.execute()
+        reports = []
+        for worker_id, row in zip(workers, rows, strict=True):
+            prefill, decode, unprefilled_json, decode_json, at_ms, running, waiting, kv = row
+            if prefill is None:  # the hash expired between the two reads
+                continue
+            reports.append(
+                WorkerReport(
+                    worker_id,
+                    # A worker that predates these fields: age unknown, shown as 0.
+                    max(0, now_ms - int(at_ms)) if at_ms else 0,
+                    float(prefill),
+                    float(decode),
+                    int(running) if running else None,
+                    int(waiting) if waiting else None,
+                    float(kv) if kv else None,
+                    _rank_map(unprefilled_json),
+                    _rank_map(decode_json),
+                )
+            )
+        return reports
 
     # -- results -----------------------------------------------------------------------
 
