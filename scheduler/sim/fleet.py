@@ -32,6 +32,7 @@ from scheduler.sim.metrics import (
     ServiceTrace,
     fairness_stats,
 )
+from scheduler.sim.rate_limits import SimRateLimits
 from scheduler.sim.tiered import TieredQueue
 from scheduler.sim.workload import SimRequest, TierSpec, WorkloadSpec, iter_requests
 
@@ -123,6 +124,9 @@ class SimOptions:
     # the queue at the end of a stretch, and when several engines could take a job the
     # first to reach a step boundary does, as step by step.
     fast_forward: bool = False
+    # The tenants' rate limits (rpm, tpm, concurrency) at the gateway, for every policy:
+    # limits are gateway admission, in front of whichever queue policy runs.
+    rate_limits: bool = True
 
 
 @dataclass
@@ -194,6 +198,8 @@ class _Fleet:
             for i in range(fleet.num_engines)
         ]
         self.collector = Collector(keep_records=options.keep_records)
+        limits = SimRateLimits(workload, self.clock) if options.rate_limits else None
+        self.limits = limits if limits is not None and limits.is_active else None
         self.trace = ServiceTrace()
         self.served: dict[str, float] = {}  # fair-share tokens served per tenant
         self.queued: dict[str, RequestRecord] = {}
@@ -262,17 +268,26 @@ class _Fleet:
         """Admission (the gateway), enqueue, then wake an idle engine or cut a run."""
         self.collector.offered(req)
         record = RequestRecord(req)
-        job = _job(req)
-        queue = self.queue
-        if self.spec.uses_admission and isinstance(queue, TieredQueue):
-            code = queue.admit(job)
+        limits = self.limits
+        if limits is not None:
+            code = limits.reserve(req)
             if code is not None:
                 self.collector.refused(record, code)
                 return
-        try:
-            queue.push(job, now_s)
-        except QueueFullError:
-            self.collector.refused(record, QUEUE_FULL)
+        job = _job(req)
+        queue = self.queue
+        code = None
+        if self.spec.uses_admission and isinstance(queue, TieredQueue):
+            code = queue.admit(job)
+        if code is None:
+            try:
+                queue.push(job, now_s)
+            except QueueFullError:
+                code = QUEUE_FULL
+        if code is not None:
+            self.collector.refused(record, code)
+            if limits is not None:
+                limits.release(req.request_id, 0)
             return
         self.queued[req.request_id] = record
         while self.idle and len(queue):
@@ -308,6 +323,8 @@ class _Fleet:
                 # Longer than the model or the KV cache: the engine refuses it outright.
                 queue.complete(job, now_s)
                 self.collector.dropped(record, INVALID_REQUEST)
+                if self.limits is not None:
+                    self.limits.release(job.job_id, 0)
                 continue
             self.inflight[job.job_id] = _InFlight(record, job)
             self.served[req.tenant_id] = (
@@ -320,6 +337,8 @@ class _Fleet:
             record = self.queued.pop(job_id, None)
             if record is not None:
                 self.collector.dropped(record, QUEUE_TIMEOUT)
+                if self.limits is not None:
+                    self.limits.release(job_id, 0)
 
     def start(self, index: int, now_s: float) -> None:
         """Plan the engine's next step (or decode run), or mark it idle."""
@@ -397,6 +416,9 @@ class _Fleet:
             item.record.finish_s = now_s
             queue.complete(item.job, now_s)
             collector.finished(item.record)
+            if self.limits is not None:
+                req = item.record.request
+                self.limits.release(req.request_id, req.num_prompt_tokens + req.num_output_tokens)
         self.pull(engine, now_s)
         self.start(index, now_s)
 

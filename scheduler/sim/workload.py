@@ -14,6 +14,8 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
+from scheduler.rate_limit import TenantLimits
+
 
 class WorkloadError(ValueError):
     """A workload that cannot be generated (negative rate, empty tenant list...)."""
@@ -49,6 +51,13 @@ class LengthDist:
             value = rng.lognormvariate(mu, self.sigma)
         return max(self.low, min(self.high, round(value)))
 
+    @property
+    def mean_tokens(self) -> float:
+        """The mean length (before clipping), for sizing quotas."""
+        if self.kind == "uniform":
+            return (self.low + self.high) / 2
+        return self.mean
+
 
 @dataclass(frozen=True)
 class TierSpec:
@@ -65,6 +74,8 @@ class TierSpec:
     max_queued_jobs: int | None = None  # the queue refuses (queue_full) past this
     prompt_len: LengthDist = field(default_factory=LengthDist)
     output_len: LengthDist = field(default_factory=LengthDist)
+    # Per-tenant defaults of the tier row (rpm, tpm, max_concurrency); unlimited if unset.
+    limits: TenantLimits = field(default_factory=TenantLimits)
 
     @property
     def has_latency_slo(self) -> bool:
@@ -76,8 +87,8 @@ class TenantSpec:
     """A tenant: its tier, fair-share weight and share of the offered load.
 
     on_windows_s: (start, end) intervals in which it sends; empty means always.
-    rate_scale: multiplies its share, so a suite can make one tenant send faster than
-    its weight says.
+    limits: the tenant's overrides of its tier's rpm, tpm and max_concurrency; a field
+    left None keeps the tier's default (as the gateway resolves a tenant's limits).
     """
 
     tenant_id: str
@@ -85,11 +96,25 @@ class TenantSpec:
     weight: float = 1.0
     load_share: float = 1.0
     on_windows_s: tuple[tuple[float, float], ...] = ()
+    limits: TenantLimits | None = None
 
     def is_on(self, t_s: float) -> bool:
         if not self.on_windows_s:
             return True
         return any(start <= t_s < end for start, end in self.on_windows_s)
+
+    def effective_limits(self, tier: TierSpec) -> TenantLimits:
+        """Its own limit where it has one, else its tier's default."""
+        own, base = self.limits, tier.limits
+        if own is None:
+            return base
+        return TenantLimits(
+            rpm=own.rpm if own.rpm is not None else base.rpm,
+            tpm=own.tpm if own.tpm is not None else base.tpm,
+            max_concurrency=(
+                own.max_concurrency if own.max_concurrency is not None else base.max_concurrency
+            ),
+        )
 
 
 @dataclass(frozen=True)
@@ -234,15 +259,25 @@ def generate(spec: WorkloadSpec) -> list[SimRequest]:
 # ---- the standard mixes ----------------------------------------------------------------
 
 
+# The seeded tiers' per-tenant defaults (migrations/versions/0002_seed_tiers.py).
+SEEDED_LIMITS = {
+    "priority": TenantLimits(rpm=600, tpm=400_000, max_concurrency=32),
+    "interactive": TenantLimits(rpm=300, tpm=200_000, max_concurrency=16),
+    "batch": TenantLimits(rpm=None, tpm=2_000_000, max_concurrency=64),
+}
+
+
 def three_tier_tiers(
     *,
     priority_ttft_ms: float = 500.0,
     priority_tpot_ms: float = 50.0,
     interactive_ttft_ms: float = 2000.0,
     interactive_tpot_ms: float = 100.0,
+    rate_limits: bool = True,
 ) -> tuple[TierSpec, ...]:
-    """The seeded tiers with chat-like lengths for the latency tiers and long batch jobs."""
-    return (
+    """The seeded tiers with chat-like lengths for the latency tiers and long batch jobs,
+    with the seeded per-tenant limits (none with rate_limits=False)."""
+    tiers = (
         TierSpec(
             "priority",
             0,
@@ -275,6 +310,41 @@ def three_tier_tiers(
             output_len=LengthDist("lognormal", mean=384, sigma=0.5, low=16, high=1536),
         ),
     )
+    if not rate_limits:
+        return tiers
+    return tuple(replace(t, limits=SEEDED_LIMITS[t.name]) for t in tiers)
+
+
+def provisioned_limits(tier: TierSpec, rate_per_s: float, headroom: float) -> TenantLimits:
+    """The limits an operator gives a tenant expected to send `rate_per_s` requests of
+    this tier: `headroom` times what that traffic needs, never below the tier's defaults
+    (a limit the tier leaves unset stays unset).
+
+    Requests and tokens (prompt + max_tokens) per minute scale with the rate. Concurrency,
+    for a tier with latency SLOs, is Little's law at the latency of a request served at
+    the edge of its SLO (TTFT SLO + TPOT SLO × mean output). A tier without a latency
+    SLO keeps its default concurrency: there the cap bounds how much work one tenant may
+    have outstanding, not what its traffic needs.
+    """
+    if headroom <= 0 or rate_per_s < 0:
+        raise WorkloadError("quotas need headroom > 0 and rate_per_s >= 0")
+    base = tier.limits
+    per_min = headroom * 60.0 * rate_per_s
+    tokens = tier.prompt_len.mean_tokens + tier.output_len.mean_tokens
+
+    def at_least(default: int | None, need: float) -> int | None:
+        return None if default is None else max(default, math.ceil(need))
+
+    concurrency = base.max_concurrency
+    if tier.has_latency_slo:
+        edge_s = (tier.ttft_slo_ms or 0.0) / 1000
+        edge_s += (tier.tpot_slo_ms or 0.0) / 1000 * tier.output_len.mean_tokens
+        concurrency = at_least(concurrency, headroom * rate_per_s * edge_s)
+    return TenantLimits(
+        rpm=at_least(base.rpm, per_min),
+        tpm=at_least(base.tpm, per_min * tokens),
+        max_concurrency=concurrency,
+    )
 
 
 def three_tier_mix(
@@ -288,14 +358,26 @@ def three_tier_mix(
     burstiness_cv: float = 1.0,
     surges: tuple[Surge, ...] = (),
     tiers: tuple[TierSpec, ...] | None = None,
+    provisioned_rate_per_s: float | None = None,
+    quota_headroom: float = 2.0,
 ) -> WorkloadSpec:
     """priority / interactive / batch with several tenants each, equal weights inside a
-    tier and the tier's load spread evenly over its tenants."""
+    tier and the tier's load spread evenly over its tenants.
+
+    Each tenant's limits are provisioned (see provisioned_limits) for its share of
+    `provisioned_rate_per_s` (default: `rate_per_s`) with `quota_headroom`: a fleet
+    provisioned for 1.0x gives its tenants quotas for their 1.0x traffic, and a load
+    sweep keeps those quotas while the offered rate grows.
+    """
     tiers = tiers or three_tier_tiers()
+    provisioned = rate_per_s if provisioned_rate_per_s is None else provisioned_rate_per_s
     tenants = []
     for tier, count, share in zip(tiers, num_tenants_per_tier, tier_load_shares, strict=True):
         for i in range(count):
-            tenants.append(TenantSpec(f"{tier.name}-{i}", tier.name, 1.0, share / count))
+            limits = provisioned_limits(tier, provisioned * share / count, quota_headroom)
+            tenants.append(
+                TenantSpec(f"{tier.name}-{i}", tier.name, 1.0, share / count, (), limits)
+            )
     return WorkloadSpec(
         tiers=tiers,
         tenants=tuple(tenants),
@@ -312,8 +394,9 @@ def many_tenants_mix(
     rate_per_s: float, duration_s: float, num_tenants: int, *, seed: int = 0
 ) -> WorkloadSpec:
     """`num_tenants` spread over the three tiers (10% / 50% / 40%), Zipf-like load shares
-    so that a few tenants are heavy and most are light, weights 1 to 4."""
-    tiers = three_tier_tiers()
+    so that a few tenants are heavy and most are light, weights 1 to 4. No rate limits:
+    this mix measures the simulator's speed at scale."""
+    tiers = three_tier_tiers(rate_limits=False)
     rng = random.Random(seed)
     tenants = []
     for i in range(num_tenants):
