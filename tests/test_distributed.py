@@ -104,6 +104,13 @@ class Fleet:
             reply.raise_for_status()
             return reply.json()
 
+    def capacity(self) -> dict:
+        """The fleet totals of /queues (without the per-worker list, whose ages move)."""
+        workers = self.queues()["workers"]
+        return {
+            name: workers[name] for name in ("live", "prefill_tokens_per_s", "decode_tokens_per_s")
+        }
+
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory) -> Iterator[Fleet]:
@@ -505,10 +512,10 @@ def test_slo_refusal_retry_after_is_honest(fleet: Fleet) -> None:
     # prediction below is the one the gateway makes. A report may still lag the last
     # step by one heartbeat: read until two reads a heartbeat and more apart agree.
     _until(lambda: not fleet.queues()["tiers"], 10.0)
-    reads = [fleet.queues()["workers"]]
+    reads = [fleet.capacity()]
     while len(reads) < 2 or reads[-1] != reads[-2]:
         time.sleep(LEASE_MS / 4 / 1000 + 0.2)
-        reads.append(fleet.queues()["workers"])
+        reads.append(fleet.capacity())
         assert len(reads) < 10, reads
     capacity = reads[-1]
     assert capacity["live"] == 2
@@ -602,6 +609,24 @@ def test_rate_limits_are_shared_by_the_gateways(fleet: Fleet) -> None:
     assert int(headers["retry-after"]) == math.ceil(wait_ms / 1000)
     assert headers["x-ratelimit-limit-requests"] == "2"
     assert headers["x-ratelimit-remaining-requests"] == "0"
+
+
+def test_queues_list_each_worker_of_the_fleet(fleet: Fleet) -> None:
+    # Either gateway shows every worker of the fleet, from the reports in Redis.
+    for gateway in range(2):
+        with fleet.admin(gateway) as admin:
+            workers = admin.get("/queues").json()["workers"]
+        listed = workers["data"]
+        assert [w["id"] for w in listed] == sorted(fleet.workers)
+        assert workers["live"] == len(listed)
+        assert sum(w["prefill_tokens_per_s"] for w in listed) == workers["prefill_tokens_per_s"]
+        for worker in listed:
+            # Reported every heartbeat (LEASE_MS / 4); older reports would have lapsed.
+            assert 0 <= worker["heartbeat_age_ms"] < max(5 * LEASE_MS / 4, 2000)
+            assert worker["decode_tokens_per_s"] > 0
+            assert 0.0 <= worker["kv_cache_usage"] <= 1.0
+            assert worker["num_running"] <= MAX_NUM_SEQS
+            assert worker["num_waiting"] >= 0
 
 
 # --------------------------------------------------------------------------- failures

@@ -1,4 +1,6 @@
-"""/admin/v1/queues: live queue depth per tier and tenant, live workers, fleet capacity.
+"""/admin/v1/queues: live queue depth per tier and tenant, fleet capacity, and each live
+worker's latest report (heartbeat age, measured rates, engine sequences, KV-cache use,
+backlog held in its engine).
 
 Also the queue depth telemetry reads: `QueueMonitor` keeps a snapshot refreshed in the
 background, because metric callbacks are synchronous and must not wait on Redis.
@@ -10,14 +12,14 @@ import asyncio
 import contextlib
 import hmac
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from gateway.errors import AuthenticationError, error_response
-from scheduler.backend import FleetCapacity, QueueBackend, TierDepth
+from scheduler.backend import FleetCapacity, QueueBackend, TierDepth, WorkerReport
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +31,27 @@ def _check_admin(admin_token: str, request: Request) -> None:
         raise AuthenticationError("Invalid or missing admin token", code="invalid_admin_token")
 
 
-def queues_view(depth: Mapping[str, TierDepth], capacity: FleetCapacity) -> dict:
+def worker_view(report: WorkerReport) -> dict:
+    """One worker in GET /admin/v1/queues. Backlog: tokens its engine holds and has not
+    served yet (prompts not prefilled, outputs still to generate), all ranks together."""
+    return {
+        "id": report.worker_id,
+        "heartbeat_age_ms": report.age_ms,
+        "prefill_tokens_per_s": report.prefill_tokens_per_s,
+        "decode_tokens_per_s": report.decode_tokens_per_s,
+        "num_running": report.num_running,
+        "num_waiting": report.num_waiting,
+        "kv_cache_usage": report.kv_cache_usage,
+        "backlog_prefill_tokens": sum(report.unprefilled_tokens_by_rank.values()),
+        "backlog_decode_tokens": sum(report.decode_tokens_by_rank.values()),
+    }
+
+
+def queues_view(
+    depth: Mapping[str, TierDepth],
+    capacity: FleetCapacity,
+    workers: Sequence[WorkerReport] = (),
+) -> dict:
     """The JSON body of GET /admin/v1/queues."""
     return {
         "object": "queues",
@@ -51,6 +73,7 @@ def queues_view(depth: Mapping[str, TierDepth], capacity: FleetCapacity) -> dict
             "live": capacity.num_workers,
             "prefill_tokens_per_s": capacity.prefill_tokens_per_s,
             "decode_tokens_per_s": capacity.decode_tokens_per_s,
+            "data": [worker_view(report) for report in workers],
         },
     }
 
@@ -61,7 +84,10 @@ def queue_routes(backend: QueueBackend, admin_token: str) -> list[BaseRoute]:
     async def queues(request: Request) -> Response:
         try:
             _check_admin(admin_token, request)
-            return JSONResponse(queues_view(await backend.depth(), await backend.fleet_capacity()))
+            depth, capacity, workers = await asyncio.gather(
+                backend.depth(), backend.fleet_capacity(), backend.worker_reports()
+            )
+            return JSONResponse(queues_view(depth, capacity, workers))
         except Exception as exc:
             return error_response(exc)
 

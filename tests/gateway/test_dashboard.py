@@ -198,6 +198,15 @@ def test_dashboard_shows_live_data_and_edits_a_tier(
         assert live_server.tenant_ids["interactive"] in tenants
         workers = browser.evaluate("window.tiergate.live.workers")
         assert [w["id"] for w in workers] == ["local"]
+        # The fleet's workers (here the one in this process) as the queue reports them.
+        [worker] = browser.evaluate("window.tiergate.queues.workers.data")
+        row = f'#workers-table tr[data-worker="{worker["id"]}"]'
+        cells = browser.wait_for(
+            f"(() => {{ const r = document.querySelector('{row}');"
+            " return r && [...r.children].map(c => c.textContent); })()"
+        )
+        assert cells[0] == worker["id"]
+        assert len(cells) == 9
 
         # Edit the interactive tier through the form: an unreachable TTFT SLO.
         browser.wait_for("document.querySelector('#tier-form select').options.length >= 3")

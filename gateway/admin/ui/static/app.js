@@ -1,12 +1,14 @@
 // tiergate operations dashboard: polls /admin/ui/api/live and the admin API once a
-// second and draws small SVG charts (no libraries, nothing loaded from elsewhere).
+// second and draws small SVG charts and tables (no libraries, nothing loaded from
+// elsewhere). The workers table lists every live worker of the fleet (/admin/v1/queues),
+// not only an engine in this process.
 "use strict";
 
 const REFRESH_MS = 1000;
 const HISTORY = 120; // queue-depth points kept in the page
 const COLORS = ["#3366cc", "#dc3912", "#ff9900", "#109618", "#990099", "#0099c6", "#dd4477"];
 const SVG = "http://www.w3.org/2000/svg";
-const state = { token: null, depthHistory: [], live: null, tiers: [] };
+const state = { token: null, depthHistory: [], live: null, tiers: [], queues: null };
 window.tiergate = state; // for operators poking at the console (and the browser test)
 
 function takeToken() {
@@ -145,6 +147,39 @@ function drawTiers(tiers, live) {
   }
 }
 
+function fixed(digits) {
+  return (v) => v.toFixed(digits);
+}
+
+const WORKER_COLUMNS = [
+  ["id", String],
+  ["heartbeat_age_ms", String],
+  ["prefill_tokens_per_s", fixed(0)],
+  ["decode_tokens_per_s", fixed(0)],
+  ["num_running", String],
+  ["num_waiting", String],
+  ["kv_cache_usage", (v) => `${(v * 100).toFixed(0)}%`],
+  ["backlog_prefill_tokens", String],
+  ["backlog_decode_tokens", String],
+];
+
+function drawWorkers(workers) {
+  const body = document.querySelector("#workers-table tbody");
+  body.replaceChildren(
+    ...workers.map((worker) => {
+      const row = document.createElement("tr");
+      row.dataset.worker = worker.id;
+      for (const [field, format] of WORKER_COLUMNS) {
+        const cell = document.createElement("td");
+        const value = worker[field];
+        cell.textContent = value === null || value === undefined ? "–" : format(value);
+        row.appendChild(cell);
+      }
+      return row;
+    }),
+  );
+}
+
 function fillForm() {
   const form = document.getElementById("tier-form");
   const tier = state.tiers.find((t) => t.name === form.elements.name.value);
@@ -177,11 +212,17 @@ async function saveTier(event) {
 
 async function refresh() {
   try {
-    const [live, tiers] = await Promise.all([api("/admin/ui/api/live"), api("/admin/v1/tiers")]);
+    const [live, tiers, queues] = await Promise.all([
+      api("/admin/ui/api/live"),
+      api("/admin/v1/tiers"),
+      api("/admin/v1/queues"),
+    ]);
     state.live = live;
     state.tiers = tiers.data;
+    state.queues = queues;
     draw(live);
     drawTiers(state.tiers, live);
+    drawWorkers(queues.workers.data);
     document.getElementById("updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
   } catch (error) {
     if (error.status === 401) return showLogin("That token was refused.");
