@@ -11,7 +11,14 @@ from dataclasses import asdict
 from pathlib import Path
 
 from scheduler.sim.metrics import RunStats
-from scheduler.sim.targets import LATENCY_TIERS, Experiment, goodput_at_90, latency_goodput
+from scheduler.sim.targets import (
+    ATTAINMENTS,
+    LATENCY_TIERS,
+    Experiment,
+    goodput_at_90,
+    latency_goodput,
+    refusal_split,
+)
 
 
 def _pct(value: float | None) -> str:
@@ -34,6 +41,27 @@ def _tier_rows(policy: str, load: float, stats: RunStats) -> list[str]:
     return rows
 
 
+def _limits_lines(experiment: Experiment) -> list[str]:
+    rate = experiment.capacity_rate_per_s
+    spec = experiment.config.workload(rate, rate)
+    seen: dict[str, str] = {}
+    for tenant in spec.tenants:
+        if tenant.tier in seen:
+            continue
+        lim = tenant.effective_limits(spec.tier(tenant.tier))
+        parts = [
+            f"{value} {name}"
+            for name, value in (
+                ("rpm", lim.rpm),
+                ("tpm", lim.tpm),
+                ("concurrent", lim.max_concurrency),
+            )
+            if value is not None
+        ]
+        seen[tenant.tier] = f"{tenant.tier} {', '.join(parts) or 'unlimited'}"
+    return list(seen.values())
+
+
 def render_markdown(experiment: Experiment, *, command: str = "") -> str:
     config = experiment.config
     params = config.params
@@ -46,6 +74,8 @@ def render_markdown(experiment: Experiment, *, command: str = "") -> str:
         f"arrivals + {config.drain_s:g} s drain, seed {config.seed}",
         f"- 1.0x load = {experiment.capacity_rate_per_s:.2f} requests/s, the rate at which FCFS "
         "keeps 90% interactive attainment",
+        "- Per-tenant limits (the gateway's, for every policy): the seeded tier defaults, raised "
+        "to twice what a tenant's share of 1.0x needs: " + "; ".join(_limits_lines(experiment)),
     ]
     if command:
         lines += ["", "Reproduce with:", "", "```bash", command, "```"]
@@ -85,12 +115,45 @@ def render_markdown(experiment: Experiment, *, command: str = "") -> str:
             )
     lines += [
         "",
-        "Goodput at the highest load keeping 90% attainment (priority and interactive):",
+        "Goodput of priority + interactive at the highest load where both keep 90% "
+        'attainment (grid, then bisection; "≥" when the highest swept load still does). '
+        "Target 4 counts attainment of the offered load (refusals are misses); the same "
+        "search on attainment of admitted requests is shown beside it.",
         "",
+        "| policy | offered: load | offered: goodput (req/s) | admitted: load | "
+        "admitted: goodput (req/s) |",
+        "|---|---|---|---|---|",
     ]
     for policy, points in experiment.sweep.items():
-        load, good = goodput_at_90(points)
-        lines.append(f"- {policy}: {good:.2f} req/s at {load:g}x")
+        found = experiment.goodput.get(policy)
+        cells = []
+        for kind in ATTAINMENTS:
+            if found is not None:
+                g = found[kind]
+                load, good, bound = g.load, g.goodput_per_s, g.is_lower_bound
+            else:
+                load, good = goodput_at_90(points, kind)
+                bound = load == max(points)
+            cells += [f"{'≥ ' if bound else ''}{load:g}x", f"{good:.2f}"]
+        lines.append(f"| {policy} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Refusals at 1.5x (admission refusals by code; queue timeouts are drops of admitted "
+        "requests and are not counted):",
+        "",
+        "| policy | refused | on batch or over quota | by tier and code |",
+        "|---|---|---|---|",
+    ]
+    for policy, points in experiment.sweep.items():
+        if 1.5 not in points:
+            continue
+        total, accepted = refusal_split(points[1.5])
+        detail = "; ".join(
+            f"{name}: " + ", ".join(f"{c} {n}" for c, n in sorted(t.rejections.items()))
+            for name, t in sorted(points[1.5].tiers.items())
+            if t.rejections
+        )
+        lines.append(f"| {policy} | {total} | {accepted} | {detail or '–'} |")
     lines += [
         "",
         "## Per tier at 1.0x and 1.5x",
@@ -143,6 +206,10 @@ def to_json(experiment: Experiment) -> str:
         "seed": experiment.config.seed,
         "capacity_rate_per_s": experiment.capacity_rate_per_s,
         "targets": [asdict(t) for t in experiment.targets],
+        "goodput_at_90": {
+            policy: {kind: asdict(g) for kind, g in found.items()}
+            for policy, found in experiment.goodput.items()
+        },
         "sweep": {
             policy: {f"{load:g}": stats.to_dict() for load, stats in sorted(points.items())}
             for policy, points in experiment.sweep.items()

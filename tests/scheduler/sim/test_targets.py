@@ -1,0 +1,189 @@
+"""Target evaluation on hand-made run statistics: every check passes on numbers that
+meet it and fails on numbers that miss it."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.sim.cost_model import load_preset
+from scheduler.sim.metrics import RunStats, TierStats
+from scheduler.sim.targets import (
+    Experiment,
+    TargetConfig,
+    evaluate,
+    goodput_at_90,
+    refusal_split,
+    search_goodput_at_90,
+)
+
+CONFIG = TargetConfig(load_preset("h200-llama-3.1-8b"), duration_s=100)
+LOADS = (0.5, 0.9, 1.0, 1.5, 2.0)
+
+
+def _tier(name: str, offered: int, met: int, refused: dict[str, int] | None = None) -> TierStats:
+    rejections = dict(refused or {})
+    admitted = offered - sum(n for c, n in rejections.items() if c != "queue_timeout")
+    return TierStats(
+        tier=name,
+        num_offered=offered,
+        num_admitted=admitted,
+        num_finished=met,
+        num_met_slo=met,
+        attainment=met / offered,
+        admitted_attainment=met / admitted if admitted else None,
+        goodput_per_s=met / 100,
+        ttft_p50_ms=None,
+        ttft_p99_ms=None,
+        tpot_p50_ms=None,
+        tpot_p99_ms=None,
+        rejections=rejections,
+        num_unfinished=0,
+    )
+
+
+def _run(
+    priority: float = 1.0,
+    interactive: float = 1.0,
+    *,
+    refused: dict[str, dict[str, int]] | None = None,
+    batch_met: float = 1.0,
+    tokens_per_s: float = 1000.0,
+    scale: int = 1000,
+) -> RunStats:
+    """A run with `scale` requests per tier; attainment as given, refusals taken from
+    the misses' count."""
+    refused = refused or {}
+    tiers = {
+        "priority": _tier("priority", scale, round(priority * scale), refused.get("priority")),
+        "interactive": _tier(
+            "interactive", scale, round(interactive * scale), refused.get("interactive")
+        ),
+        "batch": _tier("batch", scale, round(batch_met * scale), refused.get("batch")),
+    }
+    return RunStats(100.0, tiers, tokens_per_s, 0, 0, {})
+
+
+def _experiment(**sweep: dict[float, RunStats]) -> Experiment:
+    fine = {load: _run() for load in LOADS}
+    base = {"fcfs": fine, "priority": fine, "vtc": fine, "tiered": fine}
+    base.update(sweep)
+    return Experiment(CONFIG, 10.0, sweep=base)
+
+
+def _target(experiment: Experiment, number: int):
+    return next(t for t in evaluate(experiment) if t.number == number)
+
+
+def _falling(at: dict[float, float]) -> dict[float, RunStats]:
+    """Interactive attainment per load (1.0 where not given), requests in proportion."""
+    return {load: _run(interactive=at.get(load, 1.0), scale=round(1000 * load)) for load in LOADS}
+
+
+def test_goodput_at_90_takes_the_highest_load_that_keeps_both_tiers() -> None:
+    points = _falling({1.5: 0.8, 2.0: 0.5})
+    assert goodput_at_90(points) == (1.0, 20.0)
+    assert goodput_at_90(points, "admitted") == (1.0, 20.0)  # nothing was refused
+    points[1.0] = _run(priority=0.89)
+    assert goodput_at_90(points)[0] == 0.9
+
+
+def test_search_bisects_between_grid_points_and_flags_an_open_top() -> None:
+    points = _falling({1.5: 0.5, 2.0: 0.5})
+    asked = []
+
+    def run(load: float) -> RunStats:
+        asked.append(load)
+        return _run(interactive=1.0 if load <= 1.2 else 0.5)
+
+    found = search_goodput_at_90(points, run, "offered", 3)
+    assert asked == [1.25, 1.125, 1.1875]
+    assert found.load == 1.1875
+    assert not found.is_lower_bound
+    top = search_goodput_at_90(_falling({}), run, "offered", 3)
+    assert top.load == 2.0
+    assert top.is_lower_bound
+
+
+def test_target_4_compares_offered_goodput_with_both_baselines() -> None:
+    ours = _falling({2.0: 0.5})  # keeps 90% up to 1.5x
+    weak = _falling({1.5: 0.5, 2.0: 0.3})  # up to 1.0x
+    assert _target(_experiment(tiered=ours, vtc=weak, priority=weak), 4).passed
+    assert not _target(_experiment(tiered=ours, vtc=weak, priority=ours), 4).passed
+    assert not _target(_experiment(tiered=weak, vtc=ours, priority=weak), 4).passed
+
+
+def test_target_4_counts_refusals_as_misses() -> None:
+    # Ours admits only 80% of the interactive load at 1.5x and 2.0x but serves all of
+    # it within SLO: 100% of admitted, 80% of offered. It does not keep 90% of offered.
+    ours = _falling({})
+    for load in (1.5, 2.0):
+        n = round(1000 * load)
+        refusing = {"interactive": {"slo_unattainable": n // 5}}
+        ours[load] = _run(interactive=0.8, refused=refusing, scale=n)
+    weak = _falling({1.5: 0.5, 2.0: 0.3})
+    target = _target(_experiment(tiered=ours, vtc=weak, priority=weak), 4)
+    assert not target.passed
+    assert "admitted: 36.0 req/s at ≥ 2x" in target.value
+
+
+def test_refusal_split_counts_batch_and_over_quota_once_and_skips_drops() -> None:
+    stats = _run(
+        interactive=0.9,
+        refused={
+            "batch": {"concurrency_limit_exceeded": 5, "queue_full": 3},
+            "interactive": {"slo_unattainable": 2, "rate_limit_exceeded": 4, "queue_timeout": 9},
+        },
+        batch_met=0.992,
+    )
+    assert refusal_split(stats) == (14, 12)
+
+
+def _overload(refused: dict[str, dict[str, int]], **kw) -> dict[float, RunStats]:
+    return {load: _run(refused=refused, **kw) if load == 1.5 else _run() for load in LOADS}
+
+
+def test_target_5_refusals_must_fall_on_batch_or_over_quota_tenants() -> None:
+    fcfs = {load: _run(interactive=0.5) for load in LOADS}  # 500 violations
+    batch_heavy = {"batch": {"queue_full": 95}, "interactive": {"slo_unattainable": 5}}
+    ok = _overload(batch_heavy, interactive=0.995, batch_met=0.905)
+    assert _target(_experiment(tiered=ok, fcfs=fcfs), 5).passed
+    latency_heavy = {"batch": {"queue_full": 80}, "interactive": {"slo_unattainable": 20}}
+    bad = _overload(latency_heavy, interactive=0.98, batch_met=0.92)
+    assert not _target(_experiment(tiered=bad, fcfs=fcfs), 5).passed
+    over_quota = {"batch": {"queue_full": 80}, "interactive": {"rate_limit_exceeded": 20}}
+    quota = _overload(over_quota, interactive=0.98, batch_met=0.92)
+    assert _target(_experiment(tiered=quota, fcfs=fcfs), 5).passed
+
+
+def test_target_5_admitted_attainment_violations_and_batch_starvation() -> None:
+    collapsed = {load: _run(0.0, 0.0, batch_met=0.0) for load in LOADS}  # 3,000 violations
+    assert _target(_experiment(fcfs=collapsed), 5).passed
+    # 15% of admitted interactive requests miss: 92.5% of the admitted latency requests
+    # meet their SLO, though that is 20x fewer violations than the collapsed FCFS.
+    missing = _overload({}, interactive=0.85)
+    target = _target(_experiment(tiered=missing, fcfs=collapsed), 5)
+    assert not target.passed
+    assert target.value.startswith("92.5%")
+    # 40 violations against FCFS's 300: 98% admitted attainment, but only 7.5x fewer.
+    mild = {load: _run(interactive=0.7) for load in LOADS}
+    target = _target(_experiment(tiered=_overload({}, interactive=0.96), fcfs=mild), 5)
+    assert not target.passed
+    assert "300 vs 40 (7.5x)" in target.value
+    starving = {load: _run(batch_met=0.999) if load <= 0.9 else _run() for load in LOADS}
+    target = _target(_experiment(tiered=starving, fcfs=collapsed), 5)
+    assert not target.passed
+    assert "2 batch misses" in target.value
+
+
+@pytest.mark.parametrize(("ratio", "passed"), [(0.99, True), (0.97, False)])
+def test_target_2_throughput_against_fcfs(ratio: float, passed: bool) -> None:
+    ours = {load: _run(tokens_per_s=1000 * ratio) for load in LOADS}
+    assert _target(_experiment(tiered=ours), 2).passed is passed
+
+
+def test_target_3_at_fcfs_capacity() -> None:
+    assert _target(_experiment(), 3).passed
+    weak = _falling({1.0: 0.94})
+    assert not _target(_experiment(tiered=weak), 3).passed
+    weak = {load: _run(priority=0.985) for load in LOADS}
+    assert not _target(_experiment(tiered=weak), 3).passed
