@@ -32,7 +32,7 @@ class TelemetryMiddleware:
         id_token = request_id_var.set(request_id)
         path: str = scope.get("path", "")
         if (
-            self.telemetry.tracer is None
+            not self.telemetry.is_tracing
             or request_id is None
             or not path.startswith(TRACED_PREFIXES)
         ):
@@ -42,8 +42,12 @@ class TelemetryMiddleware:
                 request_id_var.reset(id_token)
             return
 
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-        trace_id = self.telemetry.start_request(request_id, scope["method"], path, headers)
+        traceparent = None
+        for name, value in scope["headers"]:
+            if name == b"traceparent":
+                traceparent = value.decode("latin-1")
+                break
+        trace_id = self.telemetry.start_request(request_id, scope["method"], path, traceparent)
         trace_token = trace_id_var.set(trace_id)
         status_code: int | None = None
 

@@ -4,7 +4,9 @@ One `Telemetry` per app, built by the composition root from `TelemetryConfig`; i
 its own MeterProvider, TracerProvider and Prometheus registry (never the global ones),
 so two apps in one process do not mix their numbers.
 
-The request path reports each finished request once (`request_finished`); everything
+The request path reports each finished request once (`request_finished`): histograms
+record their samples, counts go to plain dicts that observable counters read when
+scraped, and the request's trace is completed. Everything
 else — queue depth, the engine's running/waiting sequences, KV utilisation, step token
 budget, preemptions, recomputed tokens, tokens/s — is read when scraped, by observable
 instruments over small probe functions the composition root hands in.
@@ -23,14 +25,18 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from opentelemetry.trace import Span, SpanKind, Tracer
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import CollectorRegistry, generate_latest
 
 from gateway.observability.config import TelemetryConfig
+from gateway.observability.otlp import OtlpHttpSpanExporter
 from gateway.observability.slo import RecentOutcomes, SloTargets, is_slo_met, tpot_ms
 from gateway.observability.tenant_labels import TenantLabels
-from gateway.observability.tracing import REQUEST_ID_ATTRIBUTE, RequestTimeline, record_phases
+from gateway.observability.tracing import (
+    REQUEST_ID_ATTRIBUTE,
+    RequestTimeline,
+    RequestTrace,
+    RequestTracer,
+)
 
 log = logging.getLogger(__name__)
 
@@ -76,11 +82,19 @@ class Telemetry:
         self._tier_ranks: dict[str, int] = {}
         self._queue_probe: QueueProbe = dict
         self._worker_probe: WorkerProbe = dict
-        self._open_spans: dict[str, Span] = {}
-        self._propagator = TraceContextTextMapPropagator()
+        self._open_traces: dict[str, RequestTrace] = {}
         self._meter_provider: MeterProvider | None = None
         self._tracer_provider: TracerProvider | None = None
-        self.tracer: Tracer | None = None
+        self._request_tracer: RequestTracer | None = None
+        # Cumulative counts, read by observable counters when scraped: a dict increment
+        # on the request path instead of a synchronous instrument call per count.
+        self._counts: dict[str, dict[tuple[str, ...], int]] = {
+            "requests": {},
+            "refusals": {},
+            "slo": {},
+            "tokens": {},
+        }
+        self._tier_attributes: dict[str, dict[str, str]] = {}
         if self.config.is_enabled:
             self._build_metrics()
         if self.config.is_tracing:
@@ -94,20 +108,39 @@ class Telemetry:
         reader = PrometheusMetricReader(registry=self.registry, scope_info_enabled=False)
         self._meter_provider = MeterProvider(metric_readers=[reader], resource=self._resource())
         meter = self._meter_provider.get_meter("tiergate.gateway")
-        self._requests = meter.create_counter(
-            "tiergate.requests", unit="{request}", description="Requests by tier, tenant, outcome"
-        )
-        self._refusals = meter.create_counter(
-            "tiergate.refusals", unit="{request}", description="Requests refused, by code"
-        )
-        self._slo = meter.create_counter(
-            "tiergate.slo.requests",
-            unit="{request}",
-            description="Requests by tier and whether they met its SLO (refusals miss)",
-        )
-        self._tokens = meter.create_counter(
-            "tiergate.tokens", unit="{token}", description="Tokens served, by tier and kind"
-        )
+        counters = {
+            "requests": (
+                "tiergate.requests",
+                ("tier", "tenant", "outcome"),
+                "{request}",
+                "Requests by tier, tenant, outcome",
+            ),
+            "refusals": (
+                "tiergate.refusals",
+                ("tier", "code"),
+                "{request}",
+                "Requests refused, by code",
+            ),
+            "slo": (
+                "tiergate.slo.requests",
+                ("tier", "met"),
+                "{request}",
+                "Requests by tier and whether they met its SLO (refusals miss)",
+            ),
+            "tokens": (
+                "tiergate.tokens",
+                ("tier", "kind"),
+                "{token}",
+                "Tokens served, by tier and kind",
+            ),
+        }
+        for family, (name, labels, unit, description) in counters.items():
+            meter.create_observable_counter(
+                name,
+                callbacks=[self._count_callback(family, labels)],
+                unit=unit,
+                description=description,
+            )
         self._ttft = meter.create_histogram(
             "tiergate.ttft",
             unit="ms",
@@ -184,12 +217,19 @@ class Telemetry:
     def _build_tracing(self) -> None:
         exporter = self.config.span_exporter
         if exporter is None:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-            exporter = OTLPSpanExporter()  # endpoint, headers etc. from OTEL_* variables
+            exporter = OtlpHttpSpanExporter()  # endpoint, headers etc. from OTEL_* variables
+        # The provider reads the sampler from OTEL_TRACES_SAMPLER* and owns the
+        # processor's shutdown; the spans themselves are built by RequestTracer.
         self._tracer_provider = TracerProvider(resource=self._resource())
-        self._tracer_provider.add_span_processor(BatchSpanProcessor(exporter))
-        self.tracer = self._tracer_provider.get_tracer("tiergate.gateway")
+        processor = BatchSpanProcessor(exporter)
+        self._tracer_provider.add_span_processor(processor)
+        self._request_tracer = RequestTracer(
+            self._tracer_provider.sampler, processor, self._tracer_provider.resource
+        )
+
+    @property
+    def is_tracing(self) -> bool:
+        return self._request_tracer is not None
 
     # ----------------------------------------------------------------- inputs
     def set_tiers(self, tiers: Iterable[TierLike]) -> None:
@@ -206,32 +246,35 @@ class Telemetry:
 
     # ----------------------------------------------------------------- requests
     def start_request(
-        self, request_id: str, method: str, path: str, headers: Mapping[str, str]
+        self, request_id: str, method: str, path: str, traceparent: str | None = None
     ) -> str | None:
-        """Open the request's root span; returns its trace id (hex), None if not tracing."""
-        if self.tracer is None:
+        """Open the request's trace; returns its trace id (hex), None if not tracing."""
+        if self._request_tracer is None:
             return None
-        parent = self._propagator.extract(headers) if "traceparent" in headers else None
-        span = self.tracer.start_span(
+        trace_id, trace = self._request_tracer.start(
             f"{method} {path}",
-            context=parent,
-            kind=SpanKind.SERVER,
-            attributes={
+            traceparent,
+            {
                 REQUEST_ID_ATTRIBUTE: request_id,
                 "http.request.method": method,
                 "url.path": path,
             },
         )
-        self._open_spans[request_id] = span
-        return format(span.get_span_context().trace_id, "032x")
+        if trace is not None:
+            self._open_traces[request_id] = trace
+        return trace_id
 
     def end_request(self, request_id: str, status_code: int | None) -> None:
-        """Close the root span once the response is sent (or the connection dropped)."""
-        span = self._open_spans.pop(request_id, None)
-        if span is not None:
-            if status_code is not None:
-                span.set_attribute("http.response.status_code", status_code)
-            span.end()
+        """Close the request's trace once the response is sent (or the connection dropped)."""
+        trace = self._open_traces.pop(request_id, None)
+        if trace is None or self._request_tracer is None:
+            return
+        if status_code is not None:
+            trace.attributes["http.response.status_code"] = status_code
+        try:
+            self._request_tracer.finish(trace)
+        except Exception:  # telemetry must not fail the request it describes
+            log.exception("telemetry dropped the trace of request %s", request_id)
 
     def request_finished(
         self, record: FinishedRequest, timeline: RequestTimeline | None = None
@@ -265,18 +308,21 @@ class Telemetry:
                 refusal_code=refusal_code,
             )
         if self._meter_provider is not None:
-            tier = {"tier": record.tier}
+            tier = self._tier_attributes.get(record.tier)
+            if tier is None:
+                tier = self._tier_attributes.setdefault(record.tier, {"tier": record.tier})
+            counts = self._counts
             tenant = self.tenant_labels.observe(record.tenant_id)
             kind = "rejected" if refusal_code is not None else outcome
-            self._requests.add(1, {"tier": record.tier, "tenant": tenant, "outcome": kind})
+            _bump(counts["requests"], (record.tier, tenant, kind), 1)
             if refusal_code is not None:
-                self._refusals.add(1, {"tier": record.tier, "code": refusal_code})
+                _bump(counts["refusals"], (record.tier, refusal_code), 1)
             if is_counted:
-                self._slo.add(1, {"tier": record.tier, "met": "true" if is_met else "false"})
+                _bump(counts["slo"], (record.tier, "true" if is_met else "false"), 1)
             if record.prompt_tokens and refusal_code is None:
-                self._tokens.add(record.prompt_tokens, {**tier, "kind": "input"})
+                _bump(counts["tokens"], (record.tier, "input"), record.prompt_tokens)
             if record.completion_tokens:
-                self._tokens.add(record.completion_tokens, {**tier, "kind": "output"})
+                _bump(counts["tokens"], (record.tier, "output"), record.completion_tokens)
             if record.ttft_ms is not None:
                 self._ttft.record(record.ttft_ms, tier)
             if tpot is not None:
@@ -285,12 +331,12 @@ class Telemetry:
                 self._queue_wait.record(record.queue_wait_ms, tier)
             if refusal_code is None:
                 self._e2e.record(record.e2e_ms, tier)
-        if self.tracer is not None and timeline is not None:
-            root = self._open_spans.get(record.request_id)
-            if root is not None:
-                root.set_attribute("tiergate.tier", record.tier)
-                root.set_attribute("tiergate.tenant_id", record.tenant_id)
-                record_phases(self.tracer, root, timeline, record.request_id, outcome)
+        trace = self._open_traces.get(record.request_id)
+        if trace is not None:
+            trace.attributes["tiergate.tier"] = record.tier
+            trace.attributes["tiergate.tenant_id"] = record.tenant_id
+            trace.timeline = timeline
+            trace.outcome = outcome
 
     # ----------------------------------------------------------------- outputs
     def render_metrics(self) -> bytes:
@@ -343,6 +389,17 @@ class Telemetry:
         }
 
     # ----------------------------------------------------------------- callbacks
+    def _count_callback(
+        self, family: str, labels: tuple[str, ...]
+    ) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        counts = self._counts[family]
+
+        def observe(_options: CallbackOptions) -> Iterable[Observation]:
+            for key, value in list(counts.items()):
+                yield Observation(value, dict(zip(labels, key, strict=True)))
+
+        return observe
+
     def _observe_attainment(self, _options: CallbackOptions) -> Iterable[Observation]:
         for tier, share in self.recent.attainment(SLO_WINDOW_S).items():
             yield Observation(share, {"tier": tier})
@@ -371,15 +428,19 @@ class Telemetry:
     # ----------------------------------------------------------------- lifecycle
     def shutdown(self) -> None:
         """Flush spans and stop the providers (idempotent)."""
-        for request_id in list(self._open_spans):
+        for request_id in list(self._open_traces):
             self.end_request(request_id, None)
         if self._tracer_provider is not None:
             self._tracer_provider.shutdown()
             self._tracer_provider = None
-            self.tracer = None
+            self._request_tracer = None
         if self._meter_provider is not None:
             self._meter_provider.shutdown()
             self._meter_provider = None
+
+
+def _bump(counts: dict[tuple[str, ...], int], key: tuple[str, ...], by: int) -> None:
+    counts[key] = counts.get(key, 0) + by
 
 
 def _worker_view(stats: Any) -> dict[str, Any]:

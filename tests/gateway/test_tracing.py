@@ -153,3 +153,56 @@ def test_each_request_exports_one_span_tree(
     refused_root = refused_spans["POST /v1/completions"]
     assert refused_root["attributes"]["http.response.status_code"] == 404
     assert refused_root["attributes"]["tiergate.outcome"] == "rejected:model_not_found"
+
+
+@pytest.mark.parametrize(
+    ("sampler", "traceparent_flags", "is_exported"),
+    [
+        ("parentbased_always_on", "00", False),  # the caller chose not to sample
+        ("parentbased_always_on", "01", True),
+        ("always_off", None, False),
+    ],
+)
+def test_the_configured_sampler_decides_per_request(
+    receiver: OtlpReceiver,
+    tmp_path,
+    monkeypatch: pytest.MonkeyPatch,
+    sampler: str,
+    traceparent_flags: str | None,
+    is_exported: bool,
+) -> None:
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{receiver.thread.port}")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", sampler)
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    settings = Settings(data_dir=tmp_path, admin_token="admin-token-for-sampling", device="cpu")
+    app = build_app(
+        settings, engine=build_test_engine(), telemetry_config=TelemetryConfig.from_env()
+    )
+    server = ServerThread(app)
+    server.start()
+    headers = {}
+    if traceparent_flags is not None:
+        headers["traceparent"] = (
+            f"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-{traceparent_flags}"
+        )
+    try:
+        live = LiveServer(
+            base_url=f"http://127.0.0.1:{server.port}",
+            admin_token=settings.admin_token or "",
+            database_url=settings.db_url,
+            engine=None,
+        )
+        _create_tenants(live)
+        with live.client() as client:
+            raw = client.completions.with_raw_response.create(
+                model=MODEL, prompt="sample me?", max_tokens=2, temperature=0, extra_headers=headers
+            )
+        request_id = raw.headers["x-request-id"]
+    finally:
+        server.stop()  # flushes the exporter
+    names = {
+        s["name"]
+        for s in receiver.spans
+        if s["attributes"].get("tiergate.request_id") == request_id
+    }
+    assert names == ({"POST /v1/completions"} | PHASES if is_exported else set())
