@@ -53,6 +53,14 @@ def test_report_files(experiment, tmp_path) -> None:
     assert data["capacity_rate_per_s"] == 9.0
     assert data["sweep"]["tiered"]["1.5"]["tiers"]["priority"]["num_offered"] > 0
     assert len(data["targets"]) == 5
+    # Goodput at 90% attainment, searched for both ways of counting attainment.
+    assert "| policy | offered: load |" in md
+    assert "Per-tenant limits" in md
+    assert set(data["goodput_at_90"]) == {"fcfs", "priority", "vtc", "tiered"}
+    ours = data["goodput_at_90"]["tiered"]
+    assert ours["offered"]["attainment"] == "offered"
+    assert ours["offered"]["load"] <= ours["admitted"]["load"]  # refusals count as misses
+    assert "| tiered |" in md.split("Refusals at 1.5x")[1]
     for png in ("attainment.png", "goodput.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert render_markdown(experiment).startswith("# tiergate simulate")
