@@ -153,7 +153,10 @@ async def latency_ms(port: int, request: bytes, num_requests: int) -> list[float
         conn.close()
 
 
-async def max_rate(port: int, request: bytes, concurrency: int, duration_s: float) -> float:
+async def max_rate(
+    port: int, request: bytes, concurrency: int, duration_s: float
+) -> tuple[float, int]:
+    """(requests/s, requests completed) with `concurrency` connections for `duration_s`."""
     conns = [await Connection.open(port) for _ in range(concurrency)]
     done = 0
     stop_at = time.perf_counter() + duration_s
@@ -171,7 +174,24 @@ async def max_rate(port: int, request: bytes, concurrency: int, duration_s: floa
     elapsed = time.perf_counter() - start
     for conn in conns:
         conn.close()
-    return done / elapsed
+    return done / elapsed, done
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc). On a shared machine the
+    server's CPU per request is steadier than its request rate, which also measures
+    everyone else's load."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure_rate(
+    port: int, pid: int, request: bytes, concurrency: int, duration_s: float
+) -> tuple[float, float]:
+    """(requests/s, server CPU microseconds per request) of one throughput run."""
+    cpu_before = cpu_seconds(pid)
+    rate, num_done = asyncio.run(max_rate(port, request, concurrency, duration_s))
+    return rate, (cpu_seconds(pid) - cpu_before) / max(num_done, 1) * 1e6
 
 
 def _free_port() -> int:
@@ -269,12 +289,18 @@ def main() -> None:
                 data_dir.mkdir()
                 proc = _spawn(
                     *("--serve", "gateway", "--port", str(port), "--arg", str(data_dir)),
-                    *("--admin-token", admin_token, *extra),
+                    # "=": a token may start with "-", which argparse would take for an option
+                    f"--admin-token={admin_token}",
+                    *extra,
                 )
                 procs.append(proc)
                 _wait_up(port, proc)
-                requests[name] = (port, _request_bytes(port, _make_key(port, admin_token)))
-            status, body = asyncio.run(_one(*requests["gateway"]))
+                requests[name] = (
+                    port,
+                    _request_bytes(port, _make_key(port, admin_token)),
+                    proc.pid,
+                )
+            status, body = asyncio.run(_one(*requests["gateway"][:2]))
             if status != 200:
                 raise RuntimeError(f"gateway answered {status}: {body[:300]!r}")
             body_path = Path(tmp) / "body.json"
@@ -283,13 +309,14 @@ def main() -> None:
                 _spawn("--serve", "bare", "--port", str(bare_port), "--arg", str(body_path))
             )
             _wait_up(bare_port, procs[-1])
-            requests = {"bare": (bare_port, _request_bytes(bare_port, None)), **requests}
+            bare = (bare_port, _request_bytes(bare_port, None), procs[-1].pid)
+            requests = {"bare": bare, **requests}
 
             results = {}
-            for name, (port, request) in requests.items():
+            for name, (port, request, pid) in requests.items():
                 samples = asyncio.run(latency_ms(port, request, args.requests))
-                rate = asyncio.run(max_rate(port, request, args.concurrency, args.duration_s))
-                results[name] = (statistics.median(samples), _pct(samples, 0.99), rate)
+                rate, cpu_us = measure_rate(port, pid, request, args.concurrency, args.duration_s)
+                results[name] = (statistics.median(samples), _pct(samples, 0.99), rate, cpu_us)
         finally:
             for proc in procs:
                 proc.terminate()
@@ -298,18 +325,19 @@ def main() -> None:
             if args.redis:
                 _delete_prefix(args.redis, redis_prefix)
 
-    bare_p50, bare_p99, bare_rate = results["bare"]
-    gw_p50, gw_p99, gw_rate = results["gateway"]
+    bare_p50, bare_p99, bare_rate, bare_cpu = results["bare"]
+    gw_p50, gw_p99, gw_rate, gw_cpu = results["gateway"]
     print(f"short non-streaming completions, max_tokens={MAX_TOKENS}, null model runner")
-    print(f"{'':14}{'p50 ms':>10}{'p99 ms':>10}{'req/s':>10}")
-    for name, (p50, p99, rate) in results.items():
-        print(f"{name:14}{p50:10.3f}{p99:10.3f}{rate:10.0f}")
+    print(f"{'':14}{'p50 ms':>10}{'p99 ms':>10}{'req/s':>10}{'CPU us/req':>12}")
+    for name, (p50, p99, rate, cpu_us) in results.items():
+        print(f"{name:14}{p50:10.3f}{p99:10.3f}{rate:10.0f}{cpu_us:12.0f}")
     added_p50 = gw_p50 - bare_p50
     print(f"added latency: p50 {added_p50:.3f} ms (goal <= 2 ms), p99 {gw_p99 - bare_p99:.3f} ms")
     print(f"rate ratio gateway/bare: {gw_rate / bare_rate:.2f} (goal >= 0.40)")
     print(f"latency ratio gateway/bare: p50 {gw_p50 / bare_p50:.2f}x, p99 {gw_p99 / bare_p99:.2f}x")
+    print(f"server CPU per request ratio bare/gateway: {bare_cpu / gw_cpu:.2f}")
     if "gateway+redis" in results:
-        rd_p50, rd_p99, rd_rate = results["gateway+redis"]
+        rd_p50, rd_p99, rd_rate, _ = results["gateway+redis"]
         print(
             f"Redis vs in-memory queue: p50 +{rd_p50 - gw_p50:.3f} ms, "
             f"p99 +{rd_p99 - gw_p99:.3f} ms, rate ratio {rd_rate / gw_rate:.2f}"

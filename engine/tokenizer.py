@@ -38,13 +38,26 @@ class Tokenizer:
             raise ModelLoadError(f"cannot load the tokenizer from {path}: {exc}") from exc
         self.eos_token_ids = _eos_token_ids(self._hf, path)
         self.vocab_size = len(self._hf)
+        # The Rust tokenizer behind a fast tokenizer, called directly on the request path:
+        # transformers' wrapper goes through its batch API (with a thread pool) and builds
+        # a BatchEncoding for every call, several times the cost of the work itself.
+        self._rust = getattr(self._hf, "backend_tokenizer", None)
+        # With space clean-up on, what decode returns depends on the transformers version
+        # (and the tokenizer model): leave those checkpoints to the wrapper.
+        self._rust_decode = self._rust
+        if getattr(self._hf, "clean_up_tokenization_spaces", False):
+            self._rust_decode = None
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`, with the special tokens the checkpoint adds (BOS...)."""
-        return list(self._hf.encode(text))
+        if self._rust is not None:
+            return self._rust.encode(text, add_special_tokens=add_special_tokens).ids
+        return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
-        return self._hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        if self._rust_decode is None:
+            return self._hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        return self._rust_decode.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
         self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True
@@ -59,7 +72,7 @@ class Tokenizer:
         except Exception as exc:  # jinja raises its own errors for malformed messages
             raise InvalidRequestError(f"cannot render messages: {exc}", param="messages") from exc
         # The template already holds BOS where the model wants it.
-        return list(self._hf.encode(rendered, add_special_tokens=False))
+        return self.encode(rendered, add_special_tokens=False)
 
     def detokenizer(self, prompt_token_ids: Sequence[int], stop: Sequence[str] = ()):
         return IncrementalDetokenizer(self, prompt_token_ids, stop)

@@ -89,3 +89,31 @@ def test_text_that_only_looks_like_a_stop_prefix_is_released(tokenizer: Tokenize
     deltas, stopped = _stream(tokenizer, ids, stop=("STOP",))
     assert stopped
     assert "".join(deltas) == "a STO then "
+
+
+@pytest.mark.parametrize("clean_up_spaces", [False, True])
+def test_direct_rust_calls_match_the_transformers_wrapper(
+    tmp_path: Path, clean_up_spaces: bool
+) -> None:
+    """Encode and decode skip transformers' wrapper; they must give what it gives."""
+    for asset in ASSETS.iterdir():
+        if asset.is_file():
+            (tmp_path / asset.name).write_bytes(asset.read_bytes())
+    config_path = tmp_path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["clean_up_tokenization_spaces"] = clean_up_spaces
+    config_path.write_text(json.dumps(config))
+    tokenizer = Tokenizer(tmp_path)
+    hf = tokenizer._hf
+    texts = [TEXT, RARE_TEXT, "", " a , b . c ! don 't", "x" * 300, "<s> inside </s> text"]
+    for text in texts:
+        ids = tokenizer.encode(text)
+        assert ids == list(hf.encode(text)), text
+        assert tokenizer.encode(text, add_special_tokens=False) == list(
+            hf.encode(text, add_special_tokens=False)
+        )
+        with_specials = [*hf.all_special_ids, *ids]
+        for skip in (True, False):
+            assert tokenizer.decode(with_specials, skip_special_tokens=skip) == hf.decode(
+                with_specials, skip_special_tokens=skip
+            ), (text, skip)
