@@ -54,9 +54,13 @@ class StepOutcome:
 
     first_tokens: list[Request]
     finished: list[Request]
-    output_tokens: list[tuple[Request, int]]  # (request, tokens it produced)
+    # (request, tokens it produced); filled only for an engine built with
+    # report_outputs=True (the fleet needs it only to charge the queue step by step).
+    # The tokens are in each request's output_token_ids either way.
+    output_tokens: list[tuple[Request, int]]
     preempted: list[Request]
     num_recomputed_tokens: int
+    num_output_tokens: int = 0
 
 
 def scheduler_config(params: RooflineParams, max_model_len: int) -> SchedulerConfig:
@@ -80,8 +84,10 @@ class SimEngine:
         clock: list[float],
         *,
         max_model_len: int = 16384,
+        report_outputs: bool = True,
     ) -> None:
         self.engine_id = engine_id
+        self.report_outputs = report_outputs
         self.params = params
         self.mode = mode
         self._clock = clock  # the fleet's clock, one shared cell
@@ -186,24 +192,35 @@ class SimEngine:
             return outcome
         outcome.preempted = plan.preempted
         high_water = self._high_water
+        outputs = outcome.output_tokens if self.report_outputs else None
+        num_recomputed = 0
+        num_produced = 0
+        # Runs once per simulated step over every scheduled request: kept flat.
         for chunk in plan.chunks:
             request = chunk.request
-            end = chunk.start + chunk.num_tokens
-            seen = high_water.get(request.request_id, 0)
-            if chunk.start < seen:
-                outcome.num_recomputed_tokens += min(end, seen) - chunk.start
+            request_id = request.request_id
+            start = chunk.start
+            end = start + chunk.num_tokens
+            seen = high_water.get(request_id, 0)
+            if start < seen:
+                num_recomputed += min(end, seen) - start
             if end > seen:
-                high_water[request.request_id] = end
-            if not chunk.produces_token:
-                continue
-            request.output_token_ids.append(1)
-            outcome.output_tokens.append((request, 1))
-            if len(request.output_token_ids) == 1:
+                high_water[request_id] = end
+            if end != chunk.request_num_tokens:
+                continue  # not chunk.produces_token
+            tokens = request.output_token_ids
+            tokens.append(1)
+            num_produced += 1
+            if outputs is not None:
+                outputs.append((request, 1))
+            if len(tokens) == 1:
                 outcome.first_tokens.append(request)
-            if len(request.output_token_ids) >= request.params.max_tokens:
+            if len(tokens) >= request.params.max_tokens:
                 self.scheduler.finish(request, FinishReason.LENGTH)
-                high_water.pop(request.request_id, None)
+                del high_water[request_id]
                 outcome.finished.append(request)
+        outcome.num_recomputed_tokens = num_recomputed
+        outcome.num_output_tokens = num_produced
         return outcome
 
     # ------------------------------------------------------------- fast-forward
@@ -223,26 +240,40 @@ class SimEngine:
         if scheduler.num_waiting or not scheduler.num_running:
             return None
         running = scheduler.running
-        num_steps = None
+        num_steps = -1
         kv = 0
+        # Runs at nearly every step end of a loaded engine: kept flat (num_tokens and
+        # the block count spelt out).
         for request in running:
-            if request.num_computed_tokens != request.num_tokens - 1:
+            computed = request.num_computed_tokens
+            num_output = len(request.output_token_ids)
+            if computed != len(request.prompt_token_ids) + num_output - 1:
                 return None  # prefilling or recomputing
-            left = request.params.max_tokens - len(request.output_token_ids)
-            if num_steps is None or left < num_steps:
+            left = request.params.max_tokens - num_output
+            if num_steps < 0 or left < num_steps:
                 num_steps = left
-            kv += request.num_computed_tokens + 1
-        if num_steps is None or num_steps < min_steps:
+            kv += computed + 1
+        if num_steps < min_steps:
             return None
         num_steps = self._steps_that_fit(running, num_steps)
         if num_steps < min_steps:
             return None
+        # params.step_time_s(n, kv, kv) for each step, its arithmetic in the same order.
         params = self.params
         n = len(running)
+        overhead = params.overhead_s
+        weight_bytes = params.weight_bytes
+        kv_bytes = params.kv_bytes_per_token
+        memory_rate = params.memory_efficiency * params.memory_bandwidth_bytes_per_s
+        token_flops = 2.0 * params.num_params * n
+        pair_flops = params.attention_flops_per_token_pair
+        compute_rate = params.compute_efficiency * params.peak_flops_per_s
         offsets = []
         elapsed = 0.0
         for _ in range(num_steps):
-            elapsed += params.step_time_s(n, kv, kv)
+            memory_s = (weight_bytes + kv_bytes * kv) / memory_rate
+            compute_s = (token_flops + pair_flops * kv) / compute_rate
+            elapsed += overhead + (memory_s if memory_s >= compute_s else compute_s)
             offsets.append(elapsed)
             kv += n
         return offsets
@@ -252,12 +283,16 @@ class SimEngine:
         preempt under KV pressure, which only the real scheduler may decide)."""
         bm = self.block_manager
         free = bm.num_free_blocks
+        size = bm.block_size
 
         def needed(j: int) -> int:
-            return sum(
-                max(0, bm.num_blocks_for(r.num_computed_tokens + j) - len(r.block_ids))
-                for r in running
-            )
+            # Σ max(0, num_blocks_for(computed + j) - blocks held)
+            total = 0
+            for r in running:
+                more = -(-(r.num_computed_tokens + j) // size) - len(r.block_ids)
+                if more > 0:
+                    total += more
+            return total
 
         if needed(num_steps) <= free:
             return num_steps
@@ -273,34 +308,42 @@ class SimEngine:
     def apply_decode_run(self, offsets: Sequence[float], num_steps: int) -> StepOutcome:
         """Apply the first `num_steps` steps of a planned decode run."""
         scheduler = self.scheduler
-        running = list(scheduler.running)
+        running = scheduler.running
         outcome = StepOutcome([], [], [], [], 0)
         model = self.cost_model
+        record = self.rates.record
         n = len(running)
         previous = 0.0
-        for offset in offsets[:num_steps]:
+        for i in range(num_steps):
+            offset = offsets[i]
             if model is not None:
                 model.observe(n, n, offset - previous)
-            self.rates.record(0, n, n, offset - previous)
+            record(0, n, n, offset - previous)
             previous = offset
         self.num_steps += num_steps
         self.busy_s += offsets[num_steps - 1]
         high_water = self._high_water
+        outputs = outcome.output_tokens if self.report_outputs else None
         tokens = [1] * num_steps
         bm = self.block_manager
+        size = bm.block_size
         for request in running:
             end = request.num_computed_tokens + num_steps
             # allocate_slots would find the blocks it holds enough; skip the call.
-            if bm.num_blocks_for(end) > len(request.block_ids) and not bm.allocate_slots(
+            if -(-end // size) > len(request.block_ids) and not bm.allocate_slots(
                 request, num_steps
             ):
                 raise RuntimeError("a planned decode run no longer fits the KV cache")
             request.num_computed_tokens = end
-            request.output_token_ids.extend(tokens)
-            high_water[request.request_id] = request.num_computed_tokens
-            outcome.output_tokens.append((request, num_steps))
-            if len(request.output_token_ids) >= request.params.max_tokens:
+            output_ids = request.output_token_ids
+            output_ids.extend(tokens)
+            if outputs is not None:
+                outputs.append((request, num_steps))
+            if len(output_ids) >= request.params.max_tokens:
                 scheduler.finish(request, FinishReason.LENGTH)
                 high_water.pop(request.request_id, None)
                 outcome.finished.append(request)
+            else:
+                high_water[request.request_id] = end
+        outcome.num_output_tokens = n * num_steps
         return outcome

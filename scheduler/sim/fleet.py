@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
-from engine.request import SamplingParams
+from engine.request import Request, SamplingParams
 from scheduler.backend import QueueFullError
 from scheduler.job import Job
 from scheduler.policy import TierConfig
@@ -143,13 +143,22 @@ class _DecodeRun:
     start_s: float
     offsets: list[float]
     num_steps: int
+    # Whether the engine would pull a job: its state is frozen for the run (nothing is
+    # waiting, blocks are taken when the run is applied), so it is asked once.
+    accepts: bool | None = None
 
 
 @dataclass(eq=False)
 class _InFlight:
+    """A request inside an engine. Its generated tokens are counted from the engine
+    request's output_token_ids when they are needed (a charge, a sample, its end), not
+    per step: a loaded fleet generates a token per running request every few ms."""
+
     record: RequestRecord
     job: Job
-    pending_output_tokens: int = 0
+    request: Request
+    num_charged: int = 0  # output tokens charged to the queue
+    num_served: int = 0  # output tokens counted in the fleet's served totals
 
 
 _PROMPTS: dict[int, tuple[int, ...]] = {}
@@ -194,6 +203,8 @@ class _Fleet:
                 self.spec.mode,
                 self.clock,
                 max_model_len=fleet.max_model_len,
+                # Charging step by step needs each step's tokens per request.
+                report_outputs=options.charge_interval_s <= 0,
             )
             for i in range(fleet.num_engines)
         ]
@@ -262,7 +273,14 @@ class _Fleet:
                     engine.scheduler.backlog(),
                 )
         self.take_drops(now_s)
-        self.trace.sample(now_s, self.served, self.queue.backlogged_tenants())
+        served = self.served
+        for item in self.inflight.values():
+            num_new = len(item.request.output_token_ids) - item.num_served
+            if num_new:
+                item.num_served += num_new
+                tenant = item.job.tenant_id
+                served[tenant] += OUTPUT_TOKEN_WEIGHT * num_new
+        self.trace.sample(now_s, served, self.queue.backlogged_tenants())
 
     def arrive(self, req: SimRequest, now_s: float) -> None:
         """Admission (the gateway), enqueue, then wake an idle engine or cut a run."""
@@ -308,7 +326,7 @@ class _Fleet:
             record.dispatch_s = now_s
             req = record.request
             try:
-                engine.add(
+                request = engine.add(
                     job.job_id,
                     num_prompt_tokens=req.num_prompt_tokens,
                     num_output_tokens=req.num_output_tokens,
@@ -326,7 +344,7 @@ class _Fleet:
                 if self.limits is not None:
                     self.limits.release(job.job_id, 0)
                 continue
-            self.inflight[job.job_id] = _InFlight(record, job)
+            self.inflight[job.job_id] = _InFlight(record, job, request)
             self.served[req.tenant_id] = (
                 self.served.get(req.tenant_id, 0.0) + INPUT_TOKEN_WEIGHT * req.num_prompt_tokens
             )
@@ -361,7 +379,9 @@ class _Fleet:
         boundary first, on an engine with room, ends there so the engine pulls it."""
         best: tuple[float, int, int] | None = None
         for index, run in self.runs.items():
-            if not self.engines[index].can_accept():
+            if run.accepts is None:
+                run.accepts = self.engines[index].can_accept()
+            if not run.accepts:
                 continue
             done = bisect.bisect_right(run.offsets, now_s - run.start_s, 0, run.num_steps)
             if done >= run.num_steps:
@@ -391,28 +411,28 @@ class _Fleet:
         inflight, collector, queue = self.inflight, self.collector, self.queue
         for request in outcome.first_tokens:
             inflight[request.request_id].record.first_token_s = now_s
-        charge_now = self.options.charge_interval_s <= 0
-        num_tokens = 0
-        for request, count in outcome.output_tokens:
-            item = inflight[request.request_id]
-            item.pending_output_tokens += count
-            num_tokens += count
-            tenant = item.record.request.tenant_id
-            self.served[tenant] = self.served.get(tenant, 0.0) + OUTPUT_TOKEN_WEIGHT * count
-            if charge_now:
-                queue.charge(item.job, item.pending_output_tokens, now_s)
-                item.pending_output_tokens = 0
+        if self.options.charge_interval_s <= 0:
+            # Charged as generated; otherwise flush_charges and the finishes below do it.
+            for request, count in outcome.output_tokens:
+                item = inflight[request.request_id]
+                queue.charge(item.job, count, now_s)
+                item.num_charged += count
         for request in outcome.preempted:
             inflight[request.request_id].record.num_preemptions += 1
         collector.num_preemptions += len(outcome.preempted)
         collector.num_recomputed_tokens += outcome.num_recomputed_tokens
+        num_tokens = outcome.num_output_tokens
         collector.num_output_tokens += num_tokens
         if now_s <= self.workload.duration_s:
             self.window_tokens += num_tokens
+        served = self.served
         for request in outcome.finished:
             item = inflight.pop(request.request_id)
-            if item.pending_output_tokens:
-                queue.charge(item.job, item.pending_output_tokens, now_s)
+            num_output = len(request.output_token_ids)
+            if num_output > item.num_charged:
+                queue.charge(item.job, num_output - item.num_charged, now_s)
+            tenant = item.job.tenant_id
+            served[tenant] += OUTPUT_TOKEN_WEIGHT * (num_output - item.num_served)
             item.record.finish_s = now_s
             queue.complete(item.job, now_s)
             collector.finished(item.record)
@@ -423,10 +443,12 @@ class _Fleet:
         self.start(index, now_s)
 
     def flush_charges(self, now_s: float) -> None:
+        queue = self.queue
         for item in self.inflight.values():
-            if item.pending_output_tokens:
-                self.queue.charge(item.job, item.pending_output_tokens, now_s)
-                item.pending_output_tokens = 0
+            num_output = len(item.request.output_token_ids)
+            if num_output > item.num_charged:
+                queue.charge(item.job, num_output - item.num_charged, now_s)
+                item.num_charged = num_output
 
     def stats(self, wall_s: float) -> RunStats:
         workload, collector = self.workload, self.collector
