@@ -8,13 +8,63 @@ scheduling and post-processing included, since the simulated step stands for all
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import random
+import statistics
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
-from scheduler.sim.cost_model import StepSample, StepShape, chunk_shape
+from scheduler.sim.cost_model import (
+    FitResult,
+    RooflineParams,
+    StepSample,
+    StepShape,
+    chunk_shape,
+    fit_roofline,
+)
+
+
+def build_engine(model: str = "tiny-random", *, device: str = "cpu", seed: int = 0) -> Any:
+    """An `LLMEngine` with the configuration a serving process gives it (its limits are
+    the ones the simulated engine must have)."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig(model=model, device=device, seed=seed))
+
+
+def engine_limits(engine: Any) -> dict[str, int]:
+    """The capacity limits of a real engine, as `RooflineParams` fields: a cost fit is
+    only half of a preset, the simulated step scheduler must batch as the real one."""
+    config = engine.config
+    return {
+        "block_size": config.block_size,
+        "num_kv_blocks": engine.block_manager.num_blocks,
+        "max_num_seqs": config.max_num_seqs,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "max_prefill_chunk_tokens": config.max_prefill_chunk_tokens
+        or config.max_num_batched_tokens,
+    }
+
+
+def calibrate_engine(
+    base: RooflineParams,
+    model: str = "tiny-random",
+    *,
+    device: str = "cpu",
+    **measure: Any,
+) -> tuple[FitResult, list[StepSample]]:
+    """Time a real engine's steps, fit the roofline, and give the fit the engine's limits."""
+    engine = build_engine(model, device=device)
+    samples = measure_engine_steps(engine=engine, **measure)
+    result = fit_roofline(base, samples)
+    params = replace(result.params, **engine_limits(engine))
+    return replace(result, params=params), samples
 
 
 def measure_engine_steps(
@@ -24,16 +74,30 @@ def measure_engine_steps(
     batch_sizes: Sequence[int] = (1, 4, 16, 32),
     prompt_lens: Sequence[int] = (16, 128, 512),
     max_tokens: int = 24,
+    num_staggered: int = 64,
+    repeats: int = 3,
     seed: int = 0,
+    engine: Any = None,
 ) -> list[StepSample]:
-    """Run batches of requests through a real engine and time every step."""
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    """Run requests through a real engine (`engine`, or a new one of `model`) and time
+    every step.
+
+    Two phases: batches (each of `batch_sizes` requests of each of `prompt_lens` tokens
+    added at once: pure prefill steps, then pure decode steps), then `num_staggered`
+    requests that arrive while others decode, as a serving engine sees them (mixed
+    steps of decodes and prefill chunks, batches that grow and shrink). The whole
+    schedule runs `repeats` times with fresh prompts of the same lengths; the plans are
+    the same each time, and each step keeps the median of its times, so that a burst of
+    other work on a shared machine does not become the fit.
+    """
     from engine.request import SamplingParams
 
-    engine = LLMEngine(
-        EngineConfig(model=model, device=device, max_num_seqs=max(batch_sizes), seed=seed)
-    )
+    if engine is None:
+        engine = build_engine(model, device=device, seed=seed)
+    if max(batch_sizes) > engine.config.max_num_seqs:
+        raise ValueError("a calibration batch is larger than the engine's max_num_seqs")
+    if repeats < 1:
+        raise ValueError("repeats must be at least 1")
     scheduler = engine.scheduler
     schedule = scheduler.schedule
     plans = []
@@ -43,31 +107,87 @@ def measure_engine_steps(
         plans.append(plan)
         return plan
 
+    def timed_step() -> tuple[StepShape, float] | None:
+        plans.clear()
+        started = time.perf_counter()
+        engine.step()
+        elapsed = time.perf_counter() - started
+        if not plans or plans[-1].is_empty:
+            return None
+        return plan_shape(plans[-1].chunks), elapsed
+
     # Instrumentation, not a substitute: the real schedule() runs and we keep its plan.
     scheduler.schedule = recording_schedule  # type: ignore[method-assign]
     rng = random.Random(seed)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    samples: list[StepSample] = []
-    # One unmeasured request first: the first forward passes pay for lazy setup.
-    engine.add_request("cal-warm-up", [5] * 8, params)
+    # Unmeasured requests first, one per prompt length: the first forward passes of a
+    # shape pay for lazy setup.
+    warm = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    for i, prompt_len in enumerate(prompt_lens):
+        prompt = [rng.randrange(4, engine.vocab_size) for _ in range(prompt_len)]
+        engine.add_request(f"cal-warm-up-{i}", prompt, warm)
     while engine.has_unfinished():
         engine.step()
-    n = 0
-    for prompt_len in prompt_lens:
-        for batch in batch_sizes:
-            for _ in range(batch):
-                n += 1
-                prompt = [rng.randrange(4, engine.vocab_size) for _ in range(prompt_len)]
-                engine.add_request(f"cal-{n}", prompt, params)
-            while engine.has_unfinished():
-                plans.clear()
-                started = time.perf_counter()
-                engine.step()
-                elapsed = time.perf_counter() - started
-                if not plans or plans[-1].is_empty:
-                    continue
-                samples.append(StepSample(plan_shape(plans[-1].chunks), elapsed))
-    return samples
+    arrivals = _staggered_arrivals(num_staggered, prompt_lens, max_tokens, seed)
+    ids = itertools.count()
+
+    def add(prompt_len: int, output_len: int) -> None:
+        prompt = [rng.randrange(4, engine.vocab_size) for _ in range(prompt_len)]
+        params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+        engine.add_request(f"cal-{next(ids)}", prompt, params)
+
+    runs: list[list[tuple[StepShape, float]]] = []
+    for _ in range(repeats):
+        steps: list[tuple[StepShape, float]] = []
+        for prompt_len in prompt_lens:
+            for batch in batch_sizes:
+                for _ in range(batch):
+                    add(prompt_len, max_tokens)
+                while engine.has_unfinished():
+                    if (step := timed_step()) is not None:
+                        steps.append(step)
+        # Staggered: arrivals keyed to step counts (not to time), so every repeat plans
+        # the same steps.
+        next_arrival = 0
+        step_index = 0
+        while next_arrival < len(arrivals) or engine.has_unfinished():
+            while next_arrival < len(arrivals) and arrivals[next_arrival][0] <= step_index:
+                add(*arrivals[next_arrival][1:])
+                next_arrival += 1
+            step_index += 1
+            if engine.has_unfinished() and (step := timed_step()) is not None:
+                steps.append(step)
+        runs.append(steps)
+    return _median_steps(runs)
+
+
+def _staggered_arrivals(
+    num: int, prompt_lens: Sequence[int], max_tokens: int, seed: int
+) -> list[tuple[int, int, int]]:
+    """(step index, prompt tokens, output tokens) of the staggered phase: a quick run of
+    arrivals that builds a large batch, then sparse ones while it drains, prompt lengths
+    log-uniform over the range of prompt_lens, outputs up to twice max_tokens."""
+    rng = random.Random(f"{seed}:staggered")
+    low, high = math.log(min(prompt_lens)), math.log(max(prompt_lens))
+    out = []
+    step = 0
+    for i in range(num):
+        step += 1 if i < num // 2 else 6
+        prompt_len = round(math.exp(rng.uniform(low, high)))
+        out.append((step, prompt_len, rng.randint(max(2, max_tokens // 3), 2 * max_tokens)))
+    return out
+
+
+def _median_steps(runs: list[list[tuple[StepShape, float]]]) -> list[StepSample]:
+    """One sample per step: its shape and the median of its times over the repeats."""
+    first = runs[0]
+    for run in runs[1:]:
+        if [shape for shape, _ in run] != [shape for shape, _ in first]:
+            # The plans differed (they should not): keep every step as measured.
+            return [StepSample(shape, t) for steps in runs for shape, t in steps]
+    return [
+        StepSample(shape, statistics.median(run[i][1] for run in runs))
+        for i, (shape, _) in enumerate(first)
+    ]
 
 
 def plan_shape(chunks: Iterable) -> StepShape:  # type: ignore[type-arg]

@@ -6,13 +6,21 @@ import pytest
 
 from engine.request import Request, SamplingParams
 from engine.step_scheduler import ScheduledChunk
-from scheduler.sim.calibrate import measure_engine_steps, plan_shape, write_samples
+from scheduler.sim.calibrate import (
+    build_engine,
+    calibrate_engine,
+    measure_engine_steps,
+    plan_shape,
+    write_samples,
+)
 from scheduler.sim.cost_model import fit_roofline, load_preset, read_samples
 
 
 @pytest.mark.slow
 def test_measure_the_built_in_model_and_fit(tmp_path) -> None:
-    samples = measure_engine_steps(batch_sizes=(1, 3), prompt_lens=(8, 40), max_tokens=4)
+    samples = measure_engine_steps(
+        batch_sizes=(1, 3), prompt_lens=(8, 40), max_tokens=4, num_staggered=0, repeats=1
+    )
     # Per batch: one prefill step, then three decode steps (the prefill makes token one).
     assert len(samples) == 4 * 2 * 2
     shapes = [s.shape for s in samples]
@@ -27,6 +35,51 @@ def test_measure_the_built_in_model_and_fit(tmp_path) -> None:
     fitted = fit_roofline(load_preset("cpu-tiny"), samples)
     assert fitted.num_samples == len(samples)
     assert fitted.params.overhead_s >= 0
+
+
+@pytest.mark.slow
+def test_staggered_arrivals_make_mixed_steps_and_repeats_keep_one_sample_per_step() -> None:
+    once = measure_engine_steps(
+        batch_sizes=(2,),
+        prompt_lens=(8, 64),
+        max_tokens=6,
+        num_staggered=8,
+        repeats=1,
+    )
+    twice = measure_engine_steps(
+        batch_sizes=(2,),
+        prompt_lens=(8, 64),
+        max_tokens=6,
+        num_staggered=8,
+        repeats=2,
+    )
+    # The same plans each repeat: one sample per step, the median of its times.
+    assert [s.shape for s in twice] == [s.shape for s in once]
+    # Arrivals while others decode: steps with a decode and a prefill chunk together.
+    mixed = [
+        s.shape
+        for s in once
+        if s.shape.num_batched_tokens > 1 and s.shape.num_kv_tokens > s.shape.num_batched_tokens
+    ]
+    assert mixed
+
+
+@pytest.mark.slow
+def test_calibrate_engine_gives_the_fit_the_engine_limits() -> None:
+    result, samples = calibrate_engine(
+        load_preset("cpu-tiny"),
+        batch_sizes=(1, 2),
+        prompt_lens=(8, 16),
+        max_tokens=3,
+        num_staggered=4,
+        repeats=1,
+    )
+    engine = build_engine()
+    params = result.params
+    assert params.num_kv_blocks == engine.block_manager.num_blocks
+    assert params.max_num_seqs == engine.config.max_num_seqs
+    assert params.max_prefill_chunk_tokens == engine.config.max_prefill_chunk_tokens
+    assert result.num_samples == len(samples)
 
 
 def test_plan_shape_sums_chunks() -> None:
