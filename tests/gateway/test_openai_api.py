@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
 import time
 from typing import TYPE_CHECKING
 
@@ -221,6 +223,57 @@ def test_client_disconnect_aborts_and_frees_the_engine(live_server: LiveServer) 
     rows = _wait_for_usage(live_server.database_url, [request_id])
     assert rows[request_id].outcome == "aborted"
     assert rows[request_id].completion_tokens < 200
+    deadline = time.monotonic() + 5
+    while live_server.engine.stats().num_running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stats = live_server.engine.stats()
+    assert stats.num_running == 0
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def _aborted_request_ids(database_url: str, tenant_id: str) -> set[str]:
+    async def read() -> set[str]:
+        engine = create_db_engine(database_url)
+        try:
+            async with create_sessionmaker(engine)() as session:
+                rows = await session.scalars(
+                    select(UsageRow.request_id).where(
+                        UsageRow.tenant_id == tenant_id, UsageRow.outcome == "aborted"
+                    )
+                )
+                return set(rows)
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(read())
+
+
+def test_client_disconnect_aborts_a_non_streaming_request(live_server: LiveServer) -> None:
+    """No byte of the answer has been sent when the client hangs up: the request is still
+    noticed as gone, its job aborted and its KV blocks freed."""
+    tenant_id = live_server.tenant_ids["batch"]
+    before = _aborted_request_ids(live_server.database_url, tenant_id)
+    body = json.dumps({"model": MODEL, "prompt": "go", "max_tokens": 240, "temperature": 1})
+    host, port = live_server.base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as conn:
+        conn.sendall(
+            (
+                f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
+                f"Authorization: Bearer {live_server.keys['batch']}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}"
+            ).encode()
+        )
+        deadline = time.monotonic() + 10
+        while not live_server.engine.stats().num_running and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert live_server.engine.stats().num_running == 1, "the request never started"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        aborted = _aborted_request_ids(live_server.database_url, tenant_id) - before
+        if aborted:
+            break
+        time.sleep(0.1)
+    assert len(aborted) == 1
     deadline = time.monotonic() + 5
     while live_server.engine.stats().num_running and time.monotonic() < deadline:
         time.sleep(0.05)
