@@ -229,12 +229,11 @@ class StepScheduler:
         when it would displace running preemptible work of a worse rank and nothing of
         its rank or better is waiting.
         """
-        newcomers = [r for r in self._waiting if r.status is RequestStatus.WAITING]
         has_room = (
             len(self._running) < self.config.max_num_seqs
             and self.block_manager.num_free_blocks > self.config.watermark_blocks
         )
-        if not newcomers and has_room:
+        if has_room and not any(r.status is RequestStatus.WAITING for r in self._waiting):
             return True
         if rank is None or any(r.priority.rank <= rank for r in self._waiting):
             return False
@@ -324,8 +323,9 @@ class StepScheduler:
         """Plan the next step: allocate blocks, advance `num_computed_tokens`, preempt."""
         bm = self.block_manager
         # The previous plan has run: its KV is written and may be shared from now on.
-        for request in self._running:
-            bm.cache_full_blocks(request)
+        if bm.enable_prefix_caching:
+            for request in self._running:
+                bm.cache_full_blocks(request)
         step = _Step()
         self._schedule_decodes(step)
         step.prefill_budget = self._prefill_budget(step)
@@ -343,18 +343,35 @@ class StepScheduler:
 
     def _schedule_decodes(self, step: _Step) -> None:
         max_seqs = self._max_decode_seqs()
+        bm = self.block_manager
+        size = bm.block_size
+        running = RequestStatus.RUNNING
+        chunks = step.chunks
+        # Runs for every running request at every step: kept flat (is_prefilling,
+        # num_tokens and allocate_slots' own first check are spelt out).
         for request in list(self._running):
-            if request.status is not RequestStatus.RUNNING or request.is_prefilling:
+            if request.status is not running:
                 continue
-            if request.num_computed_tokens >= request.num_tokens:
+            computed = request.num_computed_tokens
+            num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
+            if computed < num_tokens - 1:
+                continue  # prefilling
+            if computed >= num_tokens:
                 continue  # its sampled token was not appended; nothing to run
-            if max_seqs is not None and len(step.chunks) >= max_seqs and _is_yielding(request):
+            if max_seqs is not None and len(chunks) >= max_seqs and _is_yielding(request):
                 continue  # paused for this step; it keeps its blocks and its place
-            while not self.block_manager.allocate_slots(request, 1):
-                if self._preempt_for_kv(request, step) is request:
-                    break
-            else:
-                self._add_chunk(step, request, 1)
+            block_ids = request.block_ids
+            if not (block_ids and len(block_ids) * size > computed):
+                # The last block is full (or there is none): a new one is needed.
+                while not bm.allocate_slots(request, 1):
+                    if self._preempt_for_kv(request, step) is request:
+                        break
+                else:
+                    self._add_chunk(step, request, 1)
+                continue
+            chunks[request.request_id] = ScheduledChunk(request, computed, 1, num_tokens)
+            request.num_computed_tokens = computed + 1
+            step.num_tokens += 1
 
     def _schedule_prefills(self, step: _Step) -> None:
         for request in list(self._running):
@@ -396,35 +413,41 @@ class StepScheduler:
         model = self.cost_model
         if model is None or not model.is_ready:
             return None
-        slos_ms = [
-            r.priority.tpot_slo_ms
-            for r in self._running
-            if r.priority.tpot_slo_ms is not None and r.num_output_tokens > 0
-        ]
-        if not slos_ms:
+        tightest_ms = self._tightest_tpot_slo_ms()
+        if tightest_ms is None:
             return None
-        slo_s = min(slos_ms) / 1000.0 * self.config.tpot_slo_share
+        slo_s = tightest_ms / 1000.0 * self.config.tpot_slo_share
         floor = self.config.min_prefill_tokens  # new work keeps moving too
         num_seqs = len(self._running)
         while num_seqs > 1 and model.predict(num_seqs + floor, num_seqs + 1) > slo_s:
             num_seqs -= 1
-        num_kept = sum(1 for r in self._running if not _is_yielding(r))
+        num_kept = 0
+        for r in self._running:
+            if not (r.priority.preemptible and r.priority.tpot_slo_ms is None):  # _is_yielding
+                num_kept += 1
         return max(num_seqs, num_kept + 1)
+
+    def _tightest_tpot_slo_ms(self) -> float | None:
+        """The smallest TPOT SLO of the running requests that have begun decoding."""
+        tightest = None
+        for r in self._running:
+            slo_ms = r.priority.tpot_slo_ms
+            if slo_ms is None or not r.output_token_ids:  # no SLO, or no token out yet
+                continue
+            if tightest is None or slo_ms < tightest:
+                tightest = slo_ms
+        return tightest
 
     def _prefill_budget(self, step: _Step) -> int:
         budget = self.config.max_num_batched_tokens - step.num_tokens
         model = self.cost_model
         if model is None or not model.is_ready:
             return budget
-        slos_ms = [
-            r.priority.tpot_slo_ms
-            for r in self._running
-            if r.priority.tpot_slo_ms is not None and r.num_output_tokens > 0
-        ]
-        if not slos_ms:
+        tightest_ms = self._tightest_tpot_slo_ms()
+        if tightest_ms is None:
             return budget
         num_seqs = len(step.chunks) + 1
-        slo_s = min(slos_ms) / 1000.0 * self.config.tpot_slo_share
+        slo_s = tightest_ms / 1000.0 * self.config.tpot_slo_share
         max_tokens = model.max_batched_tokens(slo_s, num_seqs)
         if max_tokens is None:
             return budget
@@ -488,6 +511,8 @@ class StepScheduler:
     def _defer_worse_prefills(self, request: Request, num_tokens: int, step: _Step) -> None:
         """Take prefill budget for `request` back from this step's prefill chunks of worse
         ranks, latest first. Deferring loses no KV: those requests continue next step."""
+        if step.prefill_budget >= num_tokens:
+            return
         rank = request.priority.rank
         for chunk in reversed(list(step.chunks.values())):
             if step.prefill_budget >= num_tokens:
@@ -578,7 +603,9 @@ class StepScheduler:
 
     def _add_chunk(self, step: _Step, request: Request, num_tokens: int) -> None:
         start = request.num_computed_tokens
-        step.chunks[request.request_id] = ScheduledChunk(request, start, num_tokens)
+        step.chunks[request.request_id] = ScheduledChunk(
+            request, start, num_tokens, request.num_tokens
+        )
         request.num_computed_tokens = start + num_tokens
         step.num_tokens += num_tokens
 
