@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -162,6 +163,10 @@ class MemoryBackend:
         # instead of sorting. Rebuilt when the tier table changes or a tier appears.
         self._order: list[tuple[float, _Tier]] = []
         self._workers: dict[str, tuple[int, FleetCapacity]] = {}  # until ms, one report
+        # Admission reads the fleet's sum per request, workers change it per heartbeat:
+        # the sum is kept until a report arrives or lapses (none lapses before this).
+        self._fleet: FleetCapacity | None = None
+        self._next_lapse_ms: float = math.inf
         # What worker_reports shows of each report: published at ms, operator fields.
         self._worker_details: dict[str, tuple[int, int | None, int | None, float | None]] = {}
         self._configure(tiers)
@@ -510,29 +515,40 @@ class MemoryBackend:
             {int(r): int(n) for r, n in (unprefilled_tokens_by_rank or {}).items()},
             {int(r): int(n) for r, n in (decode_tokens_by_rank or {}).items()},
         )
-        self._workers[worker_id] = (self._clock_ms() + ttl_ms, report)
+        until_ms = self._clock_ms() + ttl_ms
+        self._workers[worker_id] = (until_ms, report)
+        self._fleet = None
+        self._next_lapse_ms = min(self._next_lapse_ms, until_ms)
 
     async def fleet_capacity(self) -> FleetCapacity:
-        now_ms = self._clock_ms()
-        self._drop_lapsed_workers(now_ms)
+        self._drop_lapsed_workers(self._clock_ms())
+        if self._fleet is not None:
+            return self._fleet
         live = [report for _, report in self._workers.values()]
         unprefilled: dict[int, int] = {}
         decode: dict[int, int] = {}
         for report in live:
             add_by_rank(unprefilled, report.unprefilled_tokens_by_rank)
             add_by_rank(decode, report.decode_tokens_by_rank)
-        return FleetCapacity(
+        self._fleet = FleetCapacity(
             len(live),
             sum(r.prefill_tokens_per_s for r in live),
             sum(r.decode_tokens_per_s for r in live),
             unprefilled,
             decode,
         )
+        return self._fleet
 
     def _drop_lapsed_workers(self, now_ms: int) -> None:
-        for worker_id in [w for w, (until, _) in self._workers.items() if until <= now_ms]:
+        if now_ms < self._next_lapse_ms:
+            return  # no report has lapsed yet
+        lapsed = [w for w, (until, _) in self._workers.items() if until <= now_ms]
+        for worker_id in lapsed:
             del self._workers[worker_id]
             self._worker_details.pop(worker_id, None)
+        if lapsed:
+            self._fleet = None
+        self._next_lapse_ms = min((until for until, _ in self._workers.values()), default=math.inf)
 
     async def worker_reports(self) -> list[WorkerReport]:
         now_ms = self._clock_ms()
