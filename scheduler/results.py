@@ -98,7 +98,8 @@ class JobStream:
         self.num_output_tokens = 0
         self._items: asyncio.Queue[Any] = asyncio.Queue()
         self._reader: asyncio.Task[None] | None = None
-        self._watchdog: asyncio.Task[None] | None = None
+        # The queue-timeout check: a timer while waiting, a task once it fires.
+        self._watchdog: asyncio.TimerHandle | asyncio.Task[None] | None = None
         self._stopper: asyncio.Future[None] | None = None
         self._ended = False
 
@@ -244,13 +245,20 @@ class JobClient:
             raise
         stream._start(self._follow(job.job_id))
         if queue_timeout_ms is not None:
-            stream._watchdog = asyncio.create_task(self._expire(stream, queue_timeout_ms))
+            # A timer, not a sleeping task: nearly every job leaves the queue in time, and
+            # a timer costs a fraction of a task to set up and to cancel.
+            stream._watchdog = asyncio.get_running_loop().call_later(
+                queue_timeout_ms / 1000.0, self._start_expiry, stream, queue_timeout_ms
+            )
         if self._on_enqueue is not None:
             self._on_enqueue()
         return stream
 
+    def _start_expiry(self, stream: JobStream, timeout_ms: float) -> None:
+        if not stream._ended:
+            stream._watchdog = asyncio.create_task(self._expire(stream, timeout_ms))
+
     async def _expire(self, stream: JobStream, timeout_ms: float) -> None:
-        await asyncio.sleep(timeout_ms / 1000.0)
         job_id = stream.job.job_id
         if stream.is_dispatched or stream._ended:
             return
