@@ -165,14 +165,19 @@ class SimEngine:
             return None
         num_kv = 0
         pairs = 0.0
+        num_decode = 0
+        # One pass over the step's chunks (one per running request): kept flat.
         for chunk in plan.chunks:
-            end = chunk.start + chunk.num_tokens
+            start = chunk.start
+            num_tokens = chunk.num_tokens
+            end = start + num_tokens
             num_kv += end
-            pairs += chunk.num_tokens * (chunk.start + (chunk.num_tokens + 1) / 2)
+            pairs += num_tokens * (start + (num_tokens + 1) / 2)
+            if num_tokens == 1 and end == chunk.request_num_tokens:
+                num_decode += 1  # chunk.is_decode
         duration_s = self.params.step_time_s(plan.num_batched_tokens, num_kv, pairs)
         if self.cost_model is not None:
             self.cost_model.observe(plan.num_batched_tokens, len(plan.chunks), duration_s)
-        num_decode = sum(1 for chunk in plan.chunks if chunk.is_decode)
         self.rates.record(
             plan.num_batched_tokens - num_decode, num_decode, len(plan.chunks), duration_s
         )
