@@ -136,6 +136,71 @@ class AsyncEngine:
         iteration early (break, cancellation) aborts the request and frees its blocks.
         `resumed_token_ids`: see LLMEngine.add_request.
         """
+        request_id, stream = self._open(
+            prompt_token_ids, params, request_id, priority, resumed_token_ids
+        )
+        is_done = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    is_done = True
+                    raise item
+                is_done = item.finished
+                yield item
+                if is_done:
+                    return
+        finally:
+            if not is_done:
+                self.abort(request_id)
+
+    async def generate_batches(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        priority: Priority | None = None,
+        resumed_token_ids: Sequence[int] = (),
+    ) -> AsyncIterator[list[RequestOutput]]:
+        """As `generate`, but yields lists: every output that arrived since the previous
+        list was taken (at least one). A caller that publishes several steps at once
+        needs no task of its own to gather them."""
+        request_id, stream = self._open(
+            prompt_token_ids, params, request_id, priority, resumed_token_ids
+        )
+        queue = stream.queue
+        is_done = False
+        try:
+            while not is_done:
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                batch = []
+                for item in items:
+                    if isinstance(item, BaseException):
+                        is_done = True
+                        if batch:
+                            yield batch
+                        raise item
+                    batch.append(item)
+                    if item.finished:
+                        is_done = True
+                        break
+                yield batch
+        finally:
+            if not is_done:
+                self.abort(request_id)
+
+    def _open(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str | None,
+        priority: Priority | None,
+        resumed_token_ids: Sequence[int],
+    ) -> tuple[str, _Stream]:
+        """Validate and queue the request for the loop thread; returns its id and stream."""
         if self._dead is not None:
             raise self._dead
         self._engine.validate(prompt_token_ids, params, resumed_token_ids)
@@ -159,20 +224,7 @@ class AsyncEngine:
                 )
             )
             self._wake.notify()
-        is_done = False
-        try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    is_done = True
-                    raise item
-                is_done = item.finished
-                yield item
-                if is_done:
-                    return
-        finally:
-            if not is_done:
-                self.abort(request_id)
+        return request_id, stream
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; its stream (if open) ends with "abort"."""

@@ -56,6 +56,9 @@ class EngineLike(Protocol):
 
     def abort(self, request_id: str) -> Any: ...
 
+    # Optional: `generate_batches`, the same outputs gathered into lists (AsyncEngine has
+    # it); without it the dispatcher gathers them with a task of its own (_batches).
+
 
 @dataclass(frozen=True)
 class DispatcherConfig:
@@ -253,16 +256,20 @@ class Dispatcher:
                     await backend.complete(job.job_id, worker_id=worker, finish_reason="length")
                 return
             # The engine continues after the resumed tokens, which count toward max_tokens.
-            outputs = self._engine.generate(
-                list(job.prompt_token_ids),
-                job.params,
-                request_id=job.job_id,
-                priority=_priority(job),
-                resumed_token_ids=job.resumed_token_ids,
-            )
+            request = {
+                "request_id": job.job_id,
+                "priority": _priority(job),
+                "resumed_token_ids": job.resumed_token_ids,
+            }
+            prompt = list(job.prompt_token_ids)
             # Steps that finish while a publish is on its way go out together in the next
             # one: a fast engine costs one round trip per publish, not one per token.
-            async with contextlib.aclosing(_batches(outputs)) as batches:
+            generate_batches = getattr(self._engine, "generate_batches", None)
+            if generate_batches is not None:
+                batches = generate_batches(prompt, job.params, **request)
+            else:
+                batches = _batches(self._engine.generate(prompt, job.params, **request))
+            async with contextlib.aclosing(batches):
                 async for batch in batches:  # leaving early aborts in the engine
                     # An output means the engine finished a step and took its pending adds.
                     self._capacity_freed.set()

@@ -96,6 +96,36 @@ async def test_abort_by_id_ends_the_stream_with_abort(engine: AsyncEngine) -> No
     assert len(outputs) < 50
 
 
+async def test_batched_outputs_are_the_same_outputs_in_order(engine: AsyncEngine) -> None:
+    prompt = [11, 21, 31]
+    single = await _collect(engine, prompt, GREEDY, request_id="one-by-one")
+    batches = []
+    async for batch in engine.generate_batches(prompt, GREEDY, request_id="in-lists"):
+        assert batch, "a batch holds at least one output"
+        batches.append(batch)
+        await asyncio.sleep(0.02)  # let several steps pile up
+    flat = [o for batch in batches for o in batch]
+    assert len(batches) < len(flat), "outputs that arrived together came in one list"
+    assert [o.new_token_ids for o in flat] == [o.new_token_ids for o in single]
+    assert [o.text_delta for o in flat] == [o.text_delta for o in single]
+    assert flat[-1].finished
+    assert not any(o.finished for o in flat[:-1])
+    with pytest.raises(InvalidRequestError):
+        async for _ in engine.generate_batches([], GREEDY):
+            pass
+
+
+async def test_leaving_batched_outputs_early_aborts_and_frees_blocks(engine: AsyncEngine) -> None:
+    initial_free = engine.stats().num_free_blocks
+    batches = engine.generate_batches([5] * 100, LONG, request_id="batch-leaver")
+    async for batch in batches:
+        if batch[-1].num_output_tokens >= 3:
+            break
+    await batches.aclose()
+    await _until(lambda: engine.stats().num_running == 0)
+    assert engine.stats().num_free_blocks == initial_free
+
+
 async def test_bad_input_raises_typed_errors_and_others_keep_going(engine: AsyncEngine) -> None:
     good = asyncio.create_task(_collect(engine, [1, 2, 3], GREEDY))
     with pytest.raises(InvalidRequestError):
