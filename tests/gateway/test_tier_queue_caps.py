@@ -133,6 +133,13 @@ async def _complete(client: openai.AsyncOpenAI) -> Any:
     )
 
 
+async def _refused(client: openai.AsyncOpenAI) -> openai.RateLimitError:
+    """The 429 of a request past the cap (fails fast, not forever, if it is queued)."""
+    with pytest.raises(openai.RateLimitError) as refused:
+        await asyncio.wait_for(_complete(client), timeout=10)
+    return refused.value
+
+
 @pytest.fixture
 async def capped_tenant(cap_server: CapServer) -> AsyncIterator[tuple[openai.AsyncOpenAI, str]]:
     """(client of a tenant, its tier): a fresh tier capped at CAP queued jobs."""
@@ -163,20 +170,17 @@ async def test_request_past_the_tier_cap_is_429_queue_full(
         try:
             queued = [asyncio.create_task(_complete(client)) for _ in range(CAP)]
             await _until_queued(admin, tier, CAP)
-            with pytest.raises(openai.RateLimitError) as refused:
-                await _complete(client)
-            assert refused.value.status_code == 429
-            assert refused.value.code == "queue_full"
-            assert tier in refused.value.message
+            refused = await _refused(client)
+            assert refused.status_code == 429
+            assert refused.code == "queue_full"
+            assert tier in refused.message
             assert await _queued(admin, tier) == CAP  # the refused one left no trace
 
             # A raised cap applies to the running queue: one more fits, then no more.
             raised = await admin.patch(f"/tiers/{tier}", json={"max_queued_jobs": CAP + 1})
             assert raised.status_code == 200, raised.text
             queued.append(await _enqueue_once_allowed(client, admin, tier, CAP + 1))
-            with pytest.raises(openai.RateLimitError) as refused:
-                await _complete(client)
-            assert refused.value.code == "queue_full"
+            assert (await _refused(client)).code == "queue_full"
         finally:
             cap_server.engine.is_paused = False
         # Nothing admitted was lost: every queued request runs once the engine takes work.
