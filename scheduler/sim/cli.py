@@ -156,14 +156,15 @@ def _presets(args: argparse.Namespace) -> int:
 def _calibrate(args: argparse.Namespace) -> int:
     base = load_params(args.base)
     if args.measure:
-        from scheduler.sim.calibrate import measure_engine_steps, write_samples
+        from scheduler.sim.calibrate import calibrate_engine, write_samples
 
-        samples = measure_engine_steps(args.model, device=args.device)
+        # The fit also takes the measured engine's limits (KV blocks, batch sizes).
+        result, samples = calibrate_engine(base, args.model, device=args.device)
         if args.save_samples:
             write_samples(samples, args.save_samples)
     else:
         samples = read_samples(args.samples.read_text(encoding="utf-8").splitlines())
-    result = fit_roofline(base, samples)
+        result = fit_roofline(base, samples)
     save_params(result.params, args.out)
     p = result.params
     print(
