@@ -39,7 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,7 @@ from typing import Any
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
-from scheduler.sim.cost_model import RooflineParams, fit_roofline, load_params  # noqa: E402
+from scheduler.sim.cost_model import RooflineParams, load_params  # noqa: E402
 from scheduler.sim.fidelity import (  # noqa: E402
     OK,
     Check,
@@ -58,7 +58,6 @@ from scheduler.sim.fidelity import (  # noqa: E402
     Summary,
     TraceRequest,
     compare,
-    cycle_samples,
     format_counts,
     format_table,
     outcome_of,
@@ -458,7 +457,7 @@ async def _warm_up(port: int, key: str, text_ids: list[int]) -> None:
 class Calibration:
     """A fitted preset and where its samples came from."""
 
-    source: str  # "measure" (calibrate --measure) or "serving" (a calibration replay)
+    source: str  # "measure": calibrate --measure
     params: RooflineParams
     mean_abs_rel_error: float
     num_samples: int
@@ -496,15 +495,8 @@ def _measure_calibration(args: argparse.Namespace, path: Path) -> Calibration:
     return Calibration("measure", params, data["mean_abs_rel_error"], data["num_samples"])
 
 
-def _serving_calibration(steps: list[LoggedStep], limits_from: RooflineParams) -> Calibration:
-    """Fit the same roofline to the step cycles of the engine in service."""
-    samples = cycle_samples(steps)
-    fit = fit_roofline(limits_from, samples)
-    return Calibration("serving", fit.params, fit.mean_abs_rel_error, fit.num_samples)
-
-
-def _read_steps(path: Path, skip: int = 0) -> list[LoggedStep]:
-    lines = path.read_text().splitlines()[skip:]
+def _read_steps(path: Path) -> list[LoggedStep]:
+    lines = path.read_text().splitlines()
     return [LoggedStep.from_row(json.loads(line)) for line in lines if line.strip()]
 
 
@@ -552,25 +544,16 @@ def run_once(args: argparse.Namespace, index: int, out: Path) -> RunResult:
             keys = _tenant_keys(url, token, spec.tenants)
             warm = TenantSpec("warm-up", "interactive")  # a tenant outside the trace
             asyncio.run(_warm_up(port, _tenant_keys(url, token, (warm,))["warm-up"], text_ids))
-            # 3a. a calibration replay (another draw of the same workload): the engine's
-            # steps in service, under the conditions of the measured run
-            cal_spec = replace(spec, seed=seed + 1, duration_s=args.calibration_duration)
-            cal_trace = trace_of(generate(cal_spec))
-            skip = len(step_log.read_text().splitlines())
-            asyncio.run(replay(port, cal_trace, keys, text_ids, seed + 1))
-            time.sleep(0.5)
-            serving = _serving_calibration(_read_steps(step_log, skip), measured.params)
-            # 3b. the measured replay
-            skip = len(step_log.read_text().splitlines())
+            # 3. the real system
             sent = asyncio.run(replay(port, trace, keys, text_ids, seed))
-            time.sleep(0.5)
-            steps = _read_steps(step_log, skip)
+            time.sleep(0.5)  # the last steps' log lines
+            steps = _read_steps(step_log)
         finally:
             server.terminate()
             server.wait(timeout=60)
     real = summarize([s.outcome for s in sent])
     lags = sorted(s.lag_s for s in sent)
-    calibrations = {c.source: c for c in (measured, serving)}
+    calibrations = {measured.source: measured}
     # 4. the simulator, same trace, once per calibration
     sims = {name: _simulate(spec, trace, c.params, args) for name, c in calibrations.items()}
     return RunResult(
@@ -683,9 +666,6 @@ def main() -> None:
     parser.add_argument("--load", type=float, default=0.7, help="busy share of the engine")
     parser.add_argument("--rate", type=float, help="requests/s (instead of --load)")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
-    parser.add_argument(
-        "--calibration-duration", type=float, default=30.0, help="seconds of the calibration replay"
-    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=1, help="calibrate-replay-simulate runs")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the engine")
