@@ -1,11 +1,11 @@
 """Roofline cost model of one engine step, its presets, and calibration from measurements.
 
-step time = overhead + max(memory time, compute time), where
+step time = overhead + per-sequence overhead × sequences + max(memory time, compute time), where
   memory time  = (weight bytes + KV bytes read) / (memory efficiency × bandwidth)
   compute time = (2 × params × new tokens + attention FLOPs) / (compute efficiency × peak)
 
-The hardware numbers (bandwidth, peak FLOP/s) come from the data sheet; the three fitted
-numbers (overhead and the two efficiencies) absorb everything the roofline leaves out,
+The hardware numbers (bandwidth, peak FLOP/s) come from the data sheet; the fitted numbers
+(the two overheads and the two efficiencies) absorb everything the roofline leaves out,
 which is why `fit_roofline` recovers them from measured step times of the real engine.
 """
 
@@ -35,6 +35,7 @@ class StepShape:
     num_batched_tokens: int
     num_kv_tokens: int
     num_attention_pairs: float | None = None
+    num_seqs: int = 0  # sequences (chunks) in the step; 0 when not known
 
     @property
     def attention_pairs(self) -> float:
@@ -62,6 +63,9 @@ class RooflineParams:
     memory_efficiency: float
     compute_efficiency: float
     overhead_s: float
+    # Host time per sequence in a step, beside the forward pass: sampling, detokenizing
+    # and streaming its token (a serving process pays it per token it sends).
+    overhead_per_seq_s: float = 0.0
     block_size: int = 16
     num_kv_blocks: int = 1024
     max_num_seqs: int = 64
@@ -89,7 +93,7 @@ class RooflineParams:
                 raise CostModelError(f"{name} must be a number")
             if not math.isfinite(value) or value <= 0:
                 raise CostModelError(f"{name} must be a finite number > 0")
-        for name in ("overhead_s", "attention_flops_per_token_pair"):
+        for name in ("overhead_s", "overhead_per_seq_s", "attention_flops_per_token_pair"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
                 raise CostModelError(f"{name} must be a finite number >= 0")
@@ -107,19 +111,27 @@ class RooflineParams:
         return flops / (self.compute_efficiency * self.peak_flops_per_s)
 
     def step_time_s(
-        self, num_batched_tokens: int, num_kv_tokens: int, num_attention_pairs: float
+        self,
+        num_batched_tokens: int,
+        num_kv_tokens: int,
+        num_attention_pairs: float,
+        num_seqs: int = 0,
     ) -> float:
         """Predicted wall time of one step; zero tokens cost nothing (no step runs)."""
         if num_batched_tokens <= 0:
             return 0.0
-        return self.overhead_s + max(
-            self.memory_time_s(num_kv_tokens),
-            self.compute_time_s(num_batched_tokens, num_attention_pairs),
+        return (
+            self.overhead_s
+            + self.overhead_per_seq_s * num_seqs
+            + max(
+                self.memory_time_s(num_kv_tokens),
+                self.compute_time_s(num_batched_tokens, num_attention_pairs),
+            )
         )
 
     def shape_time_s(self, shape: StepShape) -> float:
         return self.step_time_s(
-            shape.num_batched_tokens, shape.num_kv_tokens, shape.attention_pairs
+            shape.num_batched_tokens, shape.num_kv_tokens, shape.attention_pairs, shape.num_seqs
         )
 
     def to_dict(self) -> dict[str, object]:
@@ -187,7 +199,7 @@ class FitResult:
 
 def read_samples(lines: Iterable[str]) -> list[StepSample]:
     """JSON lines with num_batched_tokens, num_kv_tokens, step_s (and optionally
-    num_attention_pairs), as the engine's step log writes them."""
+    num_attention_pairs and num_seqs), as the engine's step log writes them."""
     samples = []
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
@@ -198,6 +210,7 @@ def read_samples(lines: Iterable[str]) -> list[StepSample]:
                 int(row["num_batched_tokens"]),
                 int(row["num_kv_tokens"]),
                 row.get("num_attention_pairs"),
+                int(row.get("num_seqs", 0)),
             )
             samples.append(StepSample(shape, float(row["step_s"])))
         except (ValueError, KeyError, TypeError) as exc:
@@ -206,12 +219,14 @@ def read_samples(lines: Iterable[str]) -> list[StepSample]:
 
 
 def fit_roofline(base: RooflineParams, samples: Sequence[StepSample]) -> FitResult:
-    """Fit overhead_s, memory_efficiency and compute_efficiency to measured step times.
+    """Fit overhead_s, memory_efficiency and compute_efficiency to measured step times,
+    and overhead_per_seq_s when the samples count their sequences (else it is 0).
 
     The max() makes the model piecewise linear, so least squares has no closed form; we
     search the two efficiencies on a log grid that narrows around the best point, and for
-    each pair the overhead that minimises the squared relative error is a weighted mean.
-    Relative error so that short decode steps count as much as long prefills.
+    each pair the overheads that minimise the squared relative error are a weighted
+    linear least squares (both kept >= 0). Relative error so that short decode steps
+    count as much as long prefills.
     """
     usable = [s for s in samples if s.shape.num_batched_tokens > 0 and s.step_s > 0]
     if len(usable) < 3:
@@ -223,35 +238,78 @@ def fit_roofline(base: RooflineParams, samples: Sequence[StepSample]) -> FitResu
     ]
     times = [s.step_s for s in usable]
     weights = [1.0 / (t * t) for t in times]
-    weight_sum = sum(weights)
+    seqs = [s.shape.num_seqs for s in usable]
+    overheads = _OverheadFit(weights, seqs)
 
-    def evaluate(eff_mem: float, eff_comp: float) -> tuple[float, float]:
-        roof = [max(m / eff_mem, c / eff_comp) for m, c in zip(mem, comp, strict=True)]
-        overhead = sum(w * (t - r) for w, t, r in zip(weights, times, roof, strict=True))
-        overhead = max(0.0, overhead / weight_sum)
-        err = sum(w * (t - overhead - r) ** 2 for w, t, r in zip(weights, times, roof, strict=True))
-        return err, overhead
+    def evaluate(eff_mem: float, eff_comp: float) -> tuple[float, float, float]:
+        rest = [
+            t - max(m / eff_mem, c / eff_comp) for t, m, c in zip(times, mem, comp, strict=True)
+        ]
+        overhead, per_seq = overheads.solve(rest)
+        err = sum(
+            w * (y - overhead - per_seq * n) ** 2
+            for w, y, n in zip(weights, rest, seqs, strict=True)
+        )
+        return err, overhead, per_seq
 
     log_lo, log_hi = math.log(1e-4), math.log(2.0)
     lo_m, hi_m, lo_c, hi_c = log_lo, log_hi, log_lo, log_hi
-    best = (math.inf, 0.0, 1.0, 1.0)
+    best = (math.inf, 0.0, 0.0, 1.0, 1.0)
     for _ in range(6):
         n = 24
         for i in range(n + 1):
             eff_mem = math.exp(lo_m + (hi_m - lo_m) * i / n)
             for j in range(n + 1):
                 eff_comp = math.exp(lo_c + (hi_c - lo_c) * j / n)
-                err, overhead = evaluate(eff_mem, eff_comp)
+                err, overhead, per_seq = evaluate(eff_mem, eff_comp)
                 if err < best[0]:
-                    best = (err, overhead, eff_mem, eff_comp)
+                    best = (err, overhead, per_seq, eff_mem, eff_comp)
         # Narrow to two grid cells around the best point and search again.
         span_m, span_c = (hi_m - lo_m) * 2 / n, (hi_c - lo_c) * 2 / n
-        cm, cc = math.log(best[2]), math.log(best[3])
+        cm, cc = math.log(best[3]), math.log(best[4])
         lo_m, hi_m = max(log_lo, cm - span_m), min(log_hi, cm + span_m)
         lo_c, hi_c = max(log_lo, cc - span_c), min(log_hi, cc + span_c)
-    _, overhead, eff_mem, eff_comp = best
+    _, overhead, per_seq, eff_mem, eff_comp = best
     fitted = replace(
-        base, overhead_s=overhead, memory_efficiency=eff_mem, compute_efficiency=eff_comp
+        base,
+        overhead_s=overhead,
+        overhead_per_seq_s=per_seq,
+        memory_efficiency=eff_mem,
+        compute_efficiency=eff_comp,
     )
     rel = [abs(fitted.shape_time_s(s.shape) - s.step_s) / s.step_s for s in usable]
     return FitResult(fitted, sum(rel) / len(rel), len(usable))
+
+
+class _OverheadFit:
+    """min Σ w·(y − overhead − per_seq·n)² over overhead, per_seq >= 0, for fixed weights
+    and sequence counts (the normal equations' sums that do not depend on y are kept)."""
+
+    def __init__(self, weights: Sequence[float], seqs: Sequence[int]) -> None:
+        self.weights, self.seqs = weights, seqs
+        self.fits_per_seq = any(seqs)
+        self.sw = sum(weights)
+        self.sn = sum(w * n for w, n in zip(weights, seqs, strict=True))
+        self.snn = sum(w * n * n for w, n in zip(weights, seqs, strict=True))
+
+    def solve(self, rest: Sequence[float]) -> tuple[float, float]:
+        sy = sum(w * y for w, y in zip(self.weights, rest, strict=True))
+        only_overhead = (max(0.0, sy / self.sw), 0.0)
+        if not self.fits_per_seq:
+            return only_overhead
+        sny = sum(w * n * y for w, n, y in zip(self.weights, self.seqs, rest, strict=True))
+        det = self.sw * self.snn - self.sn * self.sn
+        if det > 0:
+            overhead = (self.snn * sy - self.sn * sny) / det
+            per_seq = (self.sw * sny - self.sn * sy) / det
+            if overhead >= 0 and per_seq >= 0:
+                return overhead, per_seq
+        # The optimum lies on an edge: one of the two is zero; take the better edge.
+        only_per_seq = (0.0, max(0.0, sny / self.snn))
+
+        def err(o: float, c: float) -> float:
+            return (
+                self.sw * o * o + 2 * o * c * self.sn + self.snn * c * c - 2 * o * sy - 2 * c * sny
+            )
+
+        return min((only_overhead, only_per_seq), key=lambda oc: err(*oc))

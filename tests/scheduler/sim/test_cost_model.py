@@ -100,3 +100,41 @@ def test_fit_needs_samples_and_reads_json_lines() -> None:
     assert rows == [StepSample(StepShape(4, 40), 0.01)]
     with pytest.raises(CostModelError, match="line 1"):
         read_samples(['{"num_batched_tokens": 4}'])
+
+
+def test_fit_recovers_a_per_sequence_overhead_when_samples_count_sequences() -> None:
+    base = load_preset("cpu-tiny")
+    truth = replace(
+        base,
+        overhead_s=0.004,
+        overhead_per_seq_s=0.0008,
+        memory_efficiency=0.5,
+        compute_efficiency=0.3,
+    )
+    rng = random.Random(11)
+    samples = []
+    for _ in range(300):
+        seqs = rng.choice([1, 2, 4, 8, 16, 32])
+        prefill = rng.choice([0, 0, 64, 256])
+        tokens = seqs + prefill
+        shape = StepShape(tokens, seqs * rng.randint(16, 512) + prefill, None, seqs + (prefill > 0))
+        samples.append(StepSample(shape, truth.shape_time_s(shape) * rng.uniform(0.98, 1.02)))
+    fitted = fit_roofline(base, samples).params
+    assert fitted.overhead_per_seq_s == pytest.approx(0.0008, rel=0.1)
+    assert fitted.overhead_s == pytest.approx(0.004, rel=0.1)
+    # Without sequence counts there is nothing to fit it from: it stays 0.
+    blind = [StepSample(replace(s.shape, num_seqs=0), s.step_s) for s in samples]
+    assert fit_roofline(base, blind).params.overhead_per_seq_s == 0.0
+
+
+def test_per_sequence_overhead_adds_to_every_step() -> None:
+    params = replace(load_preset("cpu-tiny"), overhead_per_seq_s=0.001)
+    plain = load_preset("cpu-tiny")
+    assert params.step_time_s(8, 800, 800.0, 8) == pytest.approx(
+        plain.step_time_s(8, 800, 800.0) + 0.008
+    )
+    assert params.step_time_s(0, 0, 0.0, 3) == 0.0
+    rows = read_samples(
+        ['{"num_batched_tokens": 4, "num_kv_tokens": 40, "step_s": 0.01, "num_seqs": 4}']
+    )
+    assert rows[0].shape.num_seqs == 4
