@@ -175,7 +175,9 @@ class SimEngine:
             pairs += num_tokens * (start + (num_tokens + 1) / 2)
             if num_tokens == 1 and end == chunk.request_num_tokens:
                 num_decode += 1  # chunk.is_decode
-        duration_s = self.params.step_time_s(plan.num_batched_tokens, num_kv, pairs)
+        duration_s = self.params.step_time_s(
+            plan.num_batched_tokens, num_kv, pairs, len(plan.chunks)
+        )
         if self.cost_model is not None:
             self.cost_model.observe(plan.num_batched_tokens, len(plan.chunks), duration_s)
         self.rates.record(
@@ -263,10 +265,10 @@ class SimEngine:
         num_steps = self._steps_that_fit(running, num_steps)
         if num_steps < min_steps:
             return None
-        # params.step_time_s(n, kv, kv) for each step, its arithmetic in the same order.
+        # params.step_time_s(n, kv, kv, n) for each step, its arithmetic in the same order.
         params = self.params
         n = len(running)
-        overhead = params.overhead_s
+        overhead = params.overhead_s + params.overhead_per_seq_s * n
         weight_bytes = params.weight_bytes
         kv_bytes = params.kv_bytes_per_token
         memory_rate = params.memory_efficiency * params.memory_bandwidth_bytes_per_s

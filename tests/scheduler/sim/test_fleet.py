@@ -134,3 +134,19 @@ def test_real_admission_refuses_interactive_overload_and_keeps_admitted_within_s
     assert stats.tiers["priority"].admitted_attainment > 0.99
     fcfs = simulate(spec, "fcfs", FleetSpec(H200, 1), options).stats
     assert fcfs.tiers["interactive"].admitted_attainment < 0.6
+
+
+def test_fast_forward_charges_the_per_sequence_overhead_as_single_steps() -> None:
+    params = replace(H200, overhead_per_seq_s=0.0004)
+    spec = three_tier_mix(30, 10, seed=3)
+    runs = [
+        simulate(
+            spec, "tiered", FleetSpec(params, 1), SimOptions(keep_records=True, fast_forward=ff)
+        )
+        for ff in (False, True)
+    ]
+    exact, fast = ({r.request.request_id: r for r in run.collector.records} for run in runs)
+    for request_id, record in exact.items():
+        assert fast[request_id].finish_s == pytest.approx(record.finish_s, abs=1e-9)
+    plain = simulate(spec, "tiered", FleetSpec(H200, 1), SimOptions()).stats
+    assert runs[0].stats.tiers["batch"].tpot_p50_ms > plain.tiers["batch"].tpot_p50_ms
