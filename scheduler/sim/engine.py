@@ -256,6 +256,10 @@ class SimEngine:
             num_output = len(request.output_token_ids)
             if computed != len(request.prompt_token_ids) + num_output - 1:
                 return None  # prefilling or recomputing
+            if not num_output:
+                # A prompt chunked to its last token: that one-token step makes the
+                # first token, whose time a run would not report.
+                return None
             left = request.params.max_tokens - num_output
             if num_steps < 0 or left < num_steps:
                 num_steps = left

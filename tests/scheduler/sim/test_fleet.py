@@ -150,3 +150,23 @@ def test_fast_forward_charges_the_per_sequence_overhead_as_single_steps() -> Non
         assert fast[request_id].finish_s == pytest.approx(record.finish_s, abs=1e-9)
     plain = simulate(spec, "tiered", FleetSpec(H200, 1), SimOptions()).stats
     assert runs[0].stats.tiers["batch"].tpot_p50_ms > plain.tiers["batch"].tpot_p50_ms
+
+
+def test_fast_forward_reports_a_first_token_made_by_a_one_token_prefill_chunk() -> None:
+    # A 101-token prompt in chunks of 100 leaves one prompt token for the next step:
+    # that step looks like a decode but makes the first token, so no run may start there.
+    params = replace(H200, max_prefill_chunk_tokens=100)
+    tier = TierSpec(
+        "t", 0, prompt_len=LengthDist("fixed", mean=101), output_len=LengthDist("fixed", mean=20)
+    )
+    spec = WorkloadSpec((tier,), (TenantSpec("a", "t"),), rate_per_s=0.2, duration_s=8, seed=1)
+    records = [
+        simulate(
+            spec, "fcfs", FleetSpec(params, 1), SimOptions(keep_records=True, fast_forward=ff)
+        ).collector.records[0]
+        for ff in (False, True)
+    ]
+    exact, fast = records
+    assert exact.first_token_s is not None
+    assert fast.first_token_s == pytest.approx(exact.first_token_s, abs=1e-12)
+    assert fast.finish_s == pytest.approx(exact.finish_s, abs=1e-12)
