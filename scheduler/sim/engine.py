@@ -106,7 +106,10 @@ class SimEngine:
         self.num_steps = 0
         self.busy_s = 0.0
         # Highest computed position per request: tokens below it run again after a
-        # preemption and count as recomputed.
+        # preemption and count as recomputed. A request never preempted that has made
+        # its first token is decoding, its high water is num_tokens - 1: it has no entry
+        # (bookkeeping per decode and request was a fair share of the simulator's time).
+        # An entry is made for it at its first chunk after a preemption.
         self._high_water: dict[str, int] = {}
         # Measured rates, as the real engine measures them; the fleet publishes them to
         # the queue, where admission reads the fleet's capacity.
@@ -205,26 +208,32 @@ class SimEngine:
         # Runs once per simulated step over every scheduled request: kept flat.
         for chunk in plan.chunks:
             request = chunk.request
-            request_id = request.request_id
             start = chunk.start
             end = start + chunk.num_tokens
-            seen = high_water.get(request_id, 0)
-            if start < seen:
-                num_recomputed += min(end, seen) - start
-            if end > seen:
-                high_water[request_id] = end
-            if end != chunk.request_num_tokens:
-                continue  # not chunk.produces_token
+            produces_token = end == chunk.request_num_tokens
             tokens = request.output_token_ids
+            if request.num_preemptions or not produces_token or not tokens:
+                # Not the plain decode of a request never preempted (see _high_water).
+                request_id = request.request_id
+                seen = high_water.get(request_id)
+                if seen is None:
+                    seen = chunk.request_num_tokens - 1 if tokens else 0
+                if start < seen:
+                    num_recomputed += min(end, seen) - start
+                high_water[request_id] = end if end > seen else seen
+            if not produces_token:
+                continue
             tokens.append(1)
             num_produced += 1
             if outputs is not None:
                 outputs.append((request, 1))
             if len(tokens) == 1:
                 outcome.first_tokens.append(request)
+                if not request.num_preemptions:
+                    del high_water[request.request_id]  # decoding: num_tokens - 1 from now
             if len(tokens) >= request.params.max_tokens:
                 self.scheduler.finish(request, FinishReason.LENGTH)
-                del high_water[request_id]
+                high_water.pop(request.request_id, None)
                 outcome.finished.append(request)
         outcome.num_recomputed_tokens = num_recomputed
         outcome.num_output_tokens = num_produced
@@ -354,7 +363,7 @@ class SimEngine:
                 scheduler.finish(request, FinishReason.LENGTH)
                 high_water.pop(request.request_id, None)
                 outcome.finished.append(request)
-            else:
-                high_water[request.request_id] = end
+            elif request.num_preemptions:
+                high_water[request.request_id] = end  # see _high_water
         outcome.num_output_tokens = n * num_steps
         return outcome
