@@ -35,11 +35,12 @@ import os
 import random
 import secrets
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,16 +49,19 @@ from typing import Any
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
-from scheduler.sim.cost_model import RooflineParams, load_params  # noqa: E402
+from scheduler.sim.cost_model import RooflineParams, fit_roofline, load_params  # noqa: E402
 from scheduler.sim.fidelity import (  # noqa: E402
     OK,
     Check,
     LoggedStep,
     Outcome,
+    RequestPath,
     StepFit,
     Summary,
     TraceRequest,
     compare,
+    cycle_samples,
+    decode_cycles_by_batch,
     format_counts,
     format_table,
     outcome_of,
@@ -457,7 +461,7 @@ async def _warm_up(port: int, key: str, text_ids: list[int]) -> None:
 class Calibration:
     """A fitted preset and where its samples came from."""
 
-    source: str  # "measure": calibrate --measure
+    source: str  # "measure" (calibrate --measure) or "serving" (a calibration replay)
     params: RooflineParams
     mean_abs_rel_error: float
     num_samples: int
@@ -465,12 +469,14 @@ class Calibration:
 
 @dataclass
 class RunResult:
+    path: RequestPath
     rate_per_s: float
     trace: list[TraceRequest]
     real: Summary
     sims: dict[str, Summary]  # per calibration source
     calibrations: dict[str, Calibration]
-    step_fits: dict[str, list[StepFit]]  # the validation replay's steps, per calibration
+    step_fits: dict[str, list[StepFit]]  # the measured replay's steps, per calibration
+    decode_cycles: dict[str, list[tuple[int, int, float, float]]]
     lag_p99_ms: float
     lag_max_ms: float
     wall_s: float
@@ -495,22 +501,71 @@ def _measure_calibration(args: argparse.Namespace, path: Path) -> Calibration:
     return Calibration("measure", params, data["mean_abs_rel_error"], data["num_samples"])
 
 
-def _read_steps(path: Path) -> list[LoggedStep]:
-    lines = path.read_text().splitlines()
+def _serving_calibration(steps: list[LoggedStep], base: RooflineParams) -> Calibration:
+    """The same roofline fitted to the engine's step cycles in service (averaged per kind
+    of step), so that the host work of serving (streaming each token through the event
+    loop, the interpreter shared with it) is in the fit."""
+    from scheduler.sim.calibrate import mean_by_shape
+
+    samples = mean_by_shape(cycle_samples(steps))
+    fit = fit_roofline(base, samples)
+    return Calibration("serving", fit.params, fit.mean_abs_rel_error, fit.num_samples)
+
+
+def _read_steps(path: Path, skip: int = 0) -> list[LoggedStep]:
+    lines = path.read_text().splitlines()[skip:]
     return [LoggedStep.from_row(json.loads(line)) for line in lines if line.strip()]
 
 
 def _simulate(
-    spec: WorkloadSpec, trace: list[TraceRequest], params: RooflineParams, args: argparse.Namespace
+    spec: WorkloadSpec,
+    trace: list[TraceRequest],
+    calibration: Calibration,
+    path: RequestPath,
+    args: argparse.Namespace,
 ) -> Summary:
     result = simulate(
         spec,
         "tiered",
-        _fleet(params, args.max_model_len),
+        _fleet(calibration.params, args.max_model_len),
         SimOptions(drain_s=600.0, keep_records=True),
-        requests=sim_requests(trace, spec),
+        requests=sim_requests(trace, spec, path),
     )
-    return summarize([outcome_of(r) for r in result.collector.records])
+    return summarize([outcome_of(r, path) for r in result.collector.records])
+
+
+def _probe_request_path(port: int, key: str, text_ids: list[int], step_log: Path) -> RequestPath:
+    """Requests one at a time on the idle server: from each send to the start of its
+    prefill step (in the step log, the same monotonic clock), and from that step's end
+    to its first token at the client."""
+    skip = len(step_log.read_text().splitlines())
+    sends = asyncio.run(_probe_sends(port, key, text_ids))
+    time.sleep(0.3)
+    prefills = [s for s in _read_steps(step_log, skip) if s.num_decodes == 0]
+    ingress, egress = [], []
+    for send_s, first_s in sends:
+        step = next((s for s in prefills if s.start_s >= send_s), None)
+        if step is not None and step.end_s <= first_s:
+            ingress.append(step.start_s - send_s)
+            egress.append(first_s - step.end_s)
+    if not ingress:
+        return RequestPath()
+    return RequestPath(statistics.median(ingress), statistics.median(egress))
+
+
+async def _probe_sends(port: int, key: str, text_ids: list[int]) -> list[tuple[float, float]]:
+    """(send, first token) times of sequential short requests."""
+    sends = []
+    for i in range(20):
+        r = TraceRequest(f"probe-{i}", 0.0, "warm-up", "interactive", 64, 2)
+        body = {"model": MODEL, "prompt": _prompt(r, text_ids, i), "max_tokens": 2}
+        body |= {"temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        t0 = time.perf_counter()
+        sent = await _send(port, r, key, _http_request(port, key, body), t0)
+        if sent.outcome.ttft_s is not None:
+            sends.append((t0 + sent.lag_s, t0 + sent.lag_s + sent.outcome.ttft_s))
+        await asyncio.sleep(0.1)
+    return sends
 
 
 def run_once(args: argparse.Namespace, index: int, out: Path) -> RunResult:
@@ -543,26 +598,37 @@ def run_once(args: argparse.Namespace, index: int, out: Path) -> RunResult:
             trace = read_trace(trace_path.read_text().splitlines())
             keys = _tenant_keys(url, token, spec.tenants)
             warm = TenantSpec("warm-up", "interactive")  # a tenant outside the trace
-            asyncio.run(_warm_up(port, _tenant_keys(url, token, (warm,))["warm-up"], text_ids))
-            # 3. the real system
-            sent = asyncio.run(replay(port, trace, keys, text_ids, seed))
+            warm_key = _tenant_keys(url, token, (warm,))["warm-up"]
+            asyncio.run(_warm_up(port, warm_key, text_ids))
+            path = _probe_request_path(port, warm_key, text_ids, step_log)
+            # 3a. a calibration replay: another draw of the same workload, its step
+            # cycles in service fitted (the "serving" calibration)
+            cal_spec = replace(spec, seed=seed + 1, duration_s=args.calibration_duration)
+            asyncio.run(replay(port, trace_of(generate(cal_spec)), keys, text_ids, seed + 1))
             time.sleep(0.5)  # the last steps' log lines
-            steps = _read_steps(step_log)
+            calibration_steps = _read_steps(step_log)
+            serving = _serving_calibration(calibration_steps, measured.params)
+            # 3b. the measured replay
+            sent = asyncio.run(replay(port, trace, keys, text_ids, seed))
+            time.sleep(0.5)
+            steps = _read_steps(step_log, len(calibration_steps))
         finally:
             server.terminate()
             server.wait(timeout=60)
     real = summarize([s.outcome for s in sent])
     lags = sorted(s.lag_s for s in sent)
-    calibrations = {measured.source: measured}
+    calibrations = {c.source: c for c in (measured, serving)}
     # 4. the simulator, same trace, once per calibration
-    sims = {name: _simulate(spec, trace, c.params, args) for name, c in calibrations.items()}
+    sims = {name: _simulate(spec, trace, c, path, args) for name, c in calibrations.items()}
     return RunResult(
+        path,
         rate,
         trace,
         real,
         sims,
         calibrations,
         {name: step_fits(steps, c.params) for name, c in calibrations.items()},
+        {name: decode_cycles_by_batch(steps, c.params) for name, c in calibrations.items()},
         lags[int(0.99 * (len(lags) - 1))] * 1000,
         lags[-1] * 1000,
         time.perf_counter() - started,
@@ -578,6 +644,8 @@ def _report(run: RunResult, index: int) -> str:
         f"load generator lateness: p99 {run.lag_p99_ms:.1f} ms, max {run.lag_max_ms:.1f} ms; "
         f"1-min load average {run.load_avg[0]:.2f} before, {run.load_avg[1]:.2f} after; "
         f"{run.wall_s:.0f} s wall",
+        f"request path on the idle server (added to every simulated request): "
+        f"{run.path.ingress_s * 1000:.2f} ms in, {run.path.egress_s * 1000:.2f} ms out",
         "",
     ]
     for name, cal in run.calibrations.items():
@@ -587,7 +655,8 @@ def _report(run: RunResult, index: int) -> str:
         lines += [
             f"### calibrated by {name}",
             "",
-            f"fit: overhead {p.overhead_s * 1000:.2f} ms, memory efficiency "
+            f"fit: overhead {p.overhead_s * 1000:.2f} ms + {p.overhead_per_seq_s * 1000:.2f} ms "
+            f"per sequence, memory efficiency "
             f"{p.memory_efficiency:.3f}, compute efficiency {p.compute_efficiency:.3f}, "
             f"mean error {cal.mean_abs_rel_error:.1%} over {cal.num_samples} steps",
             "",
@@ -596,6 +665,11 @@ def _report(run: RunResult, index: int) -> str:
                 f"{f.kind} {f.num_steps}: {f.measured_ms:.2f} ms measured "
                 f"({f.between_steps_ms:.2f} between steps), {f.predicted_ms:.2f} predicted"
                 for f in run.step_fits[name]
+            ),
+            "measured replay's pure decode cycles by sequences per step: "
+            + "; ".join(
+                f"{b}+: {m:.2f} ms measured, {pr:.2f} predicted ({n} steps)"
+                for b, n, m, pr in run.decode_cycles[name]
             ),
             "",
             format_table(checks),
@@ -611,6 +685,7 @@ def _report(run: RunResult, index: int) -> str:
 def _as_json(run: RunResult) -> dict[str, Any]:
     return {
         "rate_per_s": run.rate_per_s,
+        "request_path_s": {"ingress": run.path.ingress_s, "egress": run.path.egress_s},
         "num_requests": len(run.trace),
         "lag_p99_ms": run.lag_p99_ms,
         "lag_max_ms": run.lag_max_ms,
@@ -622,6 +697,7 @@ def _as_json(run: RunResult) -> dict[str, Any]:
                 "mean_abs_rel_error": cal.mean_abs_rel_error,
                 "num_samples": cal.num_samples,
                 "step_fits": [f.__dict__ for f in run.step_fits[name]],
+                "decode_cycles_by_batch": run.decode_cycles[name],
                 "sim": _summary_json(run.sims[name]),
                 "checks": [
                     {**c.__dict__, "rel_error": c.rel_error, "passed": c.passed}
@@ -666,6 +742,9 @@ def main() -> None:
     parser.add_argument("--load", type=float, default=0.7, help="busy share of the engine")
     parser.add_argument("--rate", type=float, help="requests/s (instead of --load)")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
+    parser.add_argument(
+        "--calibration-duration", type=float, default=40.0, help="seconds of the calibration replay"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=1, help="calibrate-replay-simulate runs")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the engine")

@@ -192,14 +192,15 @@ def _median_steps(runs: list[list[tuple[StepShape, float]]]) -> list[StepSample]
 
 def plan_shape(chunks: Iterable) -> StepShape:  # type: ignore[type-arg]
     """The roofline's view of a step plan's chunks."""
-    tokens = kv = 0
+    tokens = kv = num_seqs = 0
     pairs = 0.0
     for chunk in chunks:
+        num_seqs += 1
         chunk_kv, chunk_pairs = chunk_shape(chunk.start, chunk.num_tokens)
         tokens += chunk.num_tokens
         kv += chunk_kv
         pairs += chunk_pairs
-    return StepShape(tokens, kv, pairs)
+    return StepShape(tokens, kv, pairs, num_seqs)
 
 
 def write_samples(samples: Iterable[StepSample], path: Path) -> None:
@@ -210,6 +211,38 @@ def write_samples(samples: Iterable[StepSample], path: Path) -> None:
                 "num_batched_tokens": s.shape.num_batched_tokens,
                 "num_kv_tokens": s.shape.num_kv_tokens,
                 "num_attention_pairs": s.shape.num_attention_pairs,
+                "num_seqs": s.shape.num_seqs,
                 "step_s": s.step_s,
             }
             f.write(json.dumps(row) + "\n")
+
+
+def mean_by_shape(samples: Iterable[StepSample]) -> list[StepSample]:
+    """One sample per kind of step: steps of about the same tokens, sequences and KV
+    read (exact up to 4, then powers of two) averaged, shape and time.
+
+    Step times measured in service scatter (other work on the machine, the event loop
+    sharing the interpreter), and the fit minimises relative error, which on scattered
+    samples leans to the short ones: it would predict steps faster than they take on
+    average, and the average is what sets throughput and queueing.
+    """
+    groups: dict[tuple[int, int, int], list[StepSample]] = {}
+    for s in samples:
+        shape = s.shape
+        key = (_bin(shape.num_batched_tokens), _bin(shape.num_seqs), _bin(shape.num_kv_tokens))
+        groups.setdefault(key, []).append(s)
+    out = []
+    for _, group in sorted(groups.items()):
+        n = len(group)
+        shape = StepShape(
+            round(sum(s.shape.num_batched_tokens for s in group) / n),
+            round(sum(s.shape.num_kv_tokens for s in group) / n),
+            sum(s.shape.attention_pairs for s in group) / n,
+            round(sum(s.shape.num_seqs for s in group) / n),
+        )
+        out.append(StepSample(shape, sum(s.step_s for s in group) / n))
+    return out
+
+
+def _bin(value: int) -> int:
+    return value if value <= 4 else 1 << (value - 1).bit_length()

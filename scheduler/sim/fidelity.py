@@ -97,9 +97,29 @@ def read_trace(lines: Iterable[str]) -> list[TraceRequest]:
     return sorted(trace, key=lambda r: (r.arrival_s, r.request_id))
 
 
-def sim_requests(trace: Sequence[TraceRequest], workload: WorkloadSpec) -> list[SimRequest]:
+@dataclass(frozen=True)
+class RequestPath:
+    """Latency of the serving path outside the engine's steps, per request.
+
+    ingress_s: from the client's send to the engine step that can take the request
+    (HTTP, authentication, admission, the queue, the dispatcher, the engine's command
+    queue); egress_s: from the end of the step that made a token to the client reading
+    it (hand-off to the event loop, result channel, the SSE chunk). The simulator has
+    neither: its requests reach the queue at arrival and a token exists at its step's
+    end. Both are measured on the idle server; under load they grow, which this leaves
+    out.
+    """
+
+    ingress_s: float = 0.0
+    egress_s: float = 0.0
+
+
+def sim_requests(
+    trace: Sequence[TraceRequest], workload: WorkloadSpec, path: RequestPath | None = None
+) -> list[SimRequest]:
     """The trace as simulator arrivals: SLOs, rank and weight from the workload's tiers
-    and tenants."""
+    and tenants; each arrives `path.ingress_s` late (when it reaches the queue)."""
+    ingress_s = path.ingress_s if path else 0.0
     weights = {t.tenant_id: t.weight for t in workload.tenants}
     out = []
     for r in trace:
@@ -112,7 +132,7 @@ def sim_requests(trace: Sequence[TraceRequest], workload: WorkloadSpec) -> list[
         out.append(
             SimRequest(
                 request_id=r.request_id,
-                arrival_s=r.arrival_s,
+                arrival_s=r.arrival_s + ingress_s,
                 tenant_id=r.tenant_id,
                 tier=r.tier,
                 rank=tier.rank,
@@ -151,19 +171,23 @@ class Outcome:
     finish_s: float | None = None
 
 
-def outcome_of(record: RequestRecord) -> Outcome:
-    """A simulated request's outcome (the simulator must keep its records)."""
+def outcome_of(record: RequestRecord, path: RequestPath | None = None) -> Outcome:
+    """A simulated request's outcome (the simulator must keep its records), on the
+    client's clock: TTFT from the send (before the ingress) to the first token's
+    arrival (after the egress); TPOT is the same on both clocks."""
     req = record.request
     if not record.is_finished:
         return Outcome(req.request_id, req.tier, record.rejected_code or "unfinished")
+    path = path or RequestPath()
+    ttft = record.ttft_s
     return Outcome(
         req.request_id,
         req.tier,
         OK,
-        record.ttft_s,
+        None if ttft is None else ttft + path.ingress_s + path.egress_s,
         record.tpot_s if req.num_output_tokens > 1 else None,
         req.num_output_tokens,
-        record.finish_s,
+        None if record.finish_s is None else record.finish_s + path.egress_s,
     )
 
 
@@ -356,8 +380,9 @@ class LoggedStep:
 
     @classmethod
     def from_row(cls, row: Sequence[Any]) -> LoggedStep:
-        start, end, tokens, kv, pairs, decodes, busy = row
-        return cls(float(start), float(end), StepShape(int(tokens), int(kv), pairs), decodes, busy)
+        start, end, tokens, kv, pairs, seqs, decodes, busy = row
+        shape = StepShape(int(tokens), int(kv), pairs, int(seqs))
+        return cls(float(start), float(end), shape, int(decodes), bool(busy))
 
     def to_row(self) -> list[Any]:
         s = self.shape
@@ -367,6 +392,7 @@ class LoggedStep:
             s.num_batched_tokens,
             s.num_kv_tokens,
             s.num_attention_pairs,
+            s.num_seqs,
             self.num_decodes,
             self.is_busy_after,
         ]
@@ -422,4 +448,24 @@ def step_fits(steps: Sequence[LoggedStep], params: RooflineParams) -> list[StepF
             1000 * sum(r[2] for r in rows) / len(rows),
         )
         for kind, rows in sorted(by_kind.items())
+    ]
+
+
+def decode_cycles_by_batch(
+    steps: Sequence[LoggedStep], params: RooflineParams, *, batches: Sequence[int] = (1, 2, 4, 8)
+) -> list[tuple[int, int, float, float]]:
+    """(decodes per step, steps, mean measured cycle ms, mean predicted ms) of pure
+    decode steps of about each batch size (up to the next one listed): how the cost of
+    a step grows with the sequences in it, in service and in the model."""
+    rows: dict[int, list[tuple[float, float]]] = {b: [] for b in batches}
+    for step, cycle_s in _cycles(steps):
+        if step_kind(step.shape, step.num_decodes) != "decode":
+            continue
+        batch = max((b for b in batches if b <= step.num_decodes), default=None)
+        if batch is not None:
+            rows[batch].append((cycle_s, params.shape_time_s(step.shape)))
+    return [
+        (b, len(r), 1000 * sum(m for m, _ in r) / len(r), 1000 * sum(p for _, p in r) / len(r))
+        for b, r in rows.items()
+        if r
     ]

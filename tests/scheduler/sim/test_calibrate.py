@@ -9,11 +9,18 @@ from engine.step_scheduler import ScheduledChunk
 from scheduler.sim.calibrate import (
     build_engine,
     calibrate_engine,
+    mean_by_shape,
     measure_engine_steps,
     plan_shape,
     write_samples,
 )
-from scheduler.sim.cost_model import fit_roofline, load_preset, read_samples
+from scheduler.sim.cost_model import (
+    StepSample,
+    StepShape,
+    fit_roofline,
+    load_preset,
+    read_samples,
+)
 
 
 @pytest.mark.slow
@@ -88,3 +95,19 @@ def test_plan_shape_sums_chunks() -> None:
     shape = plan_shape([ScheduledChunk(decoding, 10, 1), ScheduledChunk(fresh, 0, 4)])
     assert (shape.num_batched_tokens, shape.num_kv_tokens) == (5, 15)
     assert shape.num_attention_pairs == 11 + 10
+
+
+def test_mean_by_shape_averages_steps_of_one_kind() -> None:
+    samples = [
+        StepSample(StepShape(1, 100, 100.0, 1), 0.004),
+        StepSample(StepShape(1, 110, 110.0, 1), 0.008),  # same kind: one token, one sequence
+        StepSample(StepShape(6, 700, 700.0, 6), 0.010),  # 6 and 7 share the bin up to 8
+        StepSample(StepShape(7, 800, 800.0, 7), 0.012),
+        StepSample(StepShape(2, 100, 100.0, 2), 0.005),
+    ]
+    merged = {s.shape.num_batched_tokens: s for s in mean_by_shape(samples)}
+    assert sorted(merged) == [1, 2, 6]  # 6.5 tokens round to 6
+    assert merged[1].step_s == pytest.approx(0.006)
+    assert merged[1].shape == StepShape(1, 105, 105.0, 1)
+    assert merged[6].step_s == pytest.approx(0.011)
+    assert merged[2].step_s == 0.005

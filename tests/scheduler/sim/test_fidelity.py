@@ -11,9 +11,11 @@ from scheduler.sim.fidelity import (
     Check,
     LoggedStep,
     Outcome,
+    RequestPath,
     TraceError,
     compare,
     cycle_samples,
+    decode_cycles_by_batch,
     format_table,
     outcome_of,
     read_trace,
@@ -143,7 +145,8 @@ def test_simulated_records_become_outcomes() -> None:
 
 
 def _step(start: float, end: float, tokens: int, decodes: int, busy: bool) -> LoggedStep:
-    return LoggedStep(start, end, StepShape(tokens, tokens * 10, tokens * 10.0), decodes, busy)
+    shape = StepShape(tokens, tokens * 10, tokens * 10.0, decodes + (tokens > decodes))
+    return LoggedStep(start, end, shape, decodes, busy)
 
 
 def test_cycle_samples_run_from_step_start_to_step_start_while_busy() -> None:
@@ -161,3 +164,36 @@ def test_cycle_samples_run_from_step_start_to_step_start_while_busy() -> None:
     assert fits["decode"].num_steps == 2
     assert fits["decode"].measured_ms == pytest.approx(9.0)
     assert fits["decode"].between_steps_ms == pytest.approx(1.0)
+
+
+def test_decode_cycles_by_batch_groups_pure_decode_steps() -> None:
+    steps = [
+        _step(0.000, 0.004, 1, 1, True),
+        _step(0.005, 0.010, 2, 2, True),
+        _step(0.012, 0.020, 3, 3, True),
+        _step(0.023, 0.060, 64, 2, True),  # mixed: not counted
+        _step(0.061, 0.070, 9, 9, True),
+        _step(0.071, 0.080, 9, 9, False),  # nothing follows it
+    ]
+    rows = decode_cycles_by_batch(steps, load_preset("cpu-tiny"), batches=(1, 2, 8))
+    assert [(b, n) for b, n, _, _ in rows] == [(1, 1), (2, 2), (8, 1)]
+    assert rows[1][2] == pytest.approx((7.0 + 11.0) / 2)
+
+
+def test_the_request_path_moves_arrivals_and_first_tokens_to_the_clients_clock() -> None:
+    spec = three_tier_mix(2.0, 5.0, seed=1)
+    trace = trace_of(generate(spec))
+    path = RequestPath(ingress_s=0.002, egress_s=0.003)
+    shifted = sim_requests(trace, spec, path)
+    assert [r.arrival_s for r in shifted] == pytest.approx([r.arrival_s + 0.002 for r in trace])
+    options = SimOptions(drain_s=60.0, keep_records=True)
+    params = FleetSpec(load_preset("h200-llama-3.1-8b"))
+    plain = simulate(spec, "fcfs", params, options, requests=sim_requests(trace, spec))
+    moved = simulate(spec, "fcfs", params, options, requests=shifted)
+    before = {o.request_id: o for o in map(outcome_of, plain.collector.records)}
+    after = {r.request.request_id: outcome_of(r, path) for r in moved.collector.records}
+    for request_id, o in before.items():
+        # The engine sees the same requests 2 ms later: TTFT grows by the whole path.
+        assert after[request_id].ttft_s == pytest.approx(o.ttft_s + 0.005, abs=1e-6)
+        assert after[request_id].finish_s == pytest.approx(o.finish_s + 0.005, abs=1e-6)
+        assert after[request_id].tpot_s == pytest.approx(o.tpot_s, abs=1e-9)
