@@ -24,13 +24,14 @@ import random
 import struct
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import unquote
 
 import httpx
+from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-from opentelemetry.trace import StatusCode
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,42 @@ def _key_values(field: int, attributes: Mapping[str, Any] | None) -> bytes:
     return b"".join(out)
 
 
+class SpanRecord(NamedTuple):
+    """One finished span as plain values: what the encoder needs, cheap to build and to
+    pickle (the gateway hands these to its export process)."""
+
+    name: str
+    trace_id: int
+    span_id: int
+    parent_span_id: int  # 0: a root span
+    is_parent_remote: bool
+    kind: int  # opentelemetry.trace.SpanKind value
+    start_ns: int
+    end_ns: int
+    attributes: Mapping[str, Any]
+    status_code: int = 0  # opentelemetry.trace.StatusCode value
+    status_message: str = ""
+    trace_state: str = ""  # W3C tracestate header
+
+
+def record_of(span: ReadableSpan) -> SpanRecord:
+    context, parent, status = span.context, span.parent, span.status
+    return SpanRecord(
+        span.name,
+        context.trace_id,
+        context.span_id,
+        parent.span_id if parent is not None else 0,
+        parent is not None and parent.is_remote,
+        span.kind.value,
+        span.start_time or 0,
+        span.end_time or 0,
+        span.attributes,
+        status.status_code.value,
+        status.description or "",
+        context.trace_state.to_header() if context.trace_state else "",
+    )
+
+
 _UNSET_STATUS = b"\x7a\x00"  # field 15, empty: the SDK's encoder always writes a status
 _FLAGS = {
     False: b"\x85\x01" + struct.pack("<I", 0x100),
@@ -121,37 +158,60 @@ _FLAGS = {
 }
 
 
-def _span(span: ReadableSpan) -> bytes:
-    context = span.context
+def _span(r: SpanRecord) -> bytes:
     parts = [
-        b"\x0a\x10" + context.trace_id.to_bytes(16, "big"),
-        b"\x12\x08" + context.span_id.to_bytes(8, "big"),
+        b"\x0a\x10" + r.trace_id.to_bytes(16, "big"),
+        b"\x12\x08" + r.span_id.to_bytes(8, "big"),
     ]
-    trace_state = context.trace_state.to_header() if context.trace_state else ""
-    if trace_state:
-        parts.append(_len_field(3, trace_state.encode()))
-    parent = span.parent
-    if parent is not None:
-        parts.append(b"\x22\x08" + parent.span_id.to_bytes(8, "big"))
-    parts.append(_cached(_names, 5, span.name))
-    parts.append(b"\x30" + _SMALL[span.kind.value + 1])  # OTLP kinds start at 1 (internal)
-    parts.append(b"\x39" + _FIXED64.pack(span.start_time or 0))
-    parts.append(b"\x41" + _FIXED64.pack(span.end_time or 0))
-    parts.append(_key_values(9, span.attributes))
-    status = span.status
-    if status.status_code is StatusCode.UNSET and not status.description:
+    if r.trace_state:
+        parts.append(_len_field(3, r.trace_state.encode()))
+    if r.parent_span_id:
+        parts.append(b"\x22\x08" + r.parent_span_id.to_bytes(8, "big"))
+    parts.append(_cached(_names, 5, r.name))
+    parts.append(b"\x30" + _SMALL[r.kind + 1])  # OTLP kinds start at 1 (internal)
+    parts.append(b"\x39" + _FIXED64.pack(r.start_ns))
+    parts.append(b"\x41" + _FIXED64.pack(r.end_ns))
+    parts.append(_key_values(9, r.attributes))
+    if not r.status_code and not r.status_message:
         parts.append(_UNSET_STATUS)
     else:
         body = b""
-        if status.description:
-            body += _len_field(2, status.description.encode())
-        if status.status_code is not StatusCode.UNSET:
-            body += b"\x18" + _varint(status.status_code.value)
+        if r.status_message:
+            body += _len_field(2, r.status_message.encode())
+        if r.status_code:
+            body += b"\x18" + _varint(r.status_code)
         parts.append(_len_field(15, body))
     # flags: whether the parent is remote is known (bit 8), and is it (bit 9); the
     # SDK's encoder sets these and no more.
-    parts.append(_FLAGS[parent is not None and parent.is_remote])
+    parts.append(_FLAGS[r.is_parent_remote])
     return b"".join(parts)
+
+
+def _resource_spans(
+    resource: Resource, by_scope: Mapping[InstrumentationScope | None, list[bytes]]
+) -> bytes:
+    body = _len_field(1, _key_values(1, resource.attributes))
+    for scope, encoded in by_scope.items():
+        scope_body = b""
+        if scope is not None:
+            scope_msg = _len_field(1, scope.name.encode())
+            if scope.version:
+                scope_msg += _len_field(2, scope.version.encode())
+            scope_body = _len_field(1, scope_msg)
+        scope_body += b"".join(_len_field(2, s) for s in encoded)
+        if scope is not None and scope.schema_url:
+            scope_body += _len_field(3, scope.schema_url.encode())
+        body += _len_field(2, scope_body)
+    if resource.schema_url:
+        body += _len_field(3, resource.schema_url.encode())
+    return _len_field(1, body)
+
+
+def encode_records(
+    resource: Resource, scope: InstrumentationScope, records: Sequence[SpanRecord]
+) -> bytes:
+    """An ExportTraceServiceRequest holding `records`, all of one resource and scope."""
+    return _resource_spans(resource, {scope: [_span(r) for r in records]})
 
 
 def encode_spans(spans: Sequence[ReadableSpan]) -> bytes:
@@ -160,25 +220,8 @@ def encode_spans(spans: Sequence[ReadableSpan]) -> bytes:
     for span in spans:
         resource = span.resource
         _, by_scope = grouped.setdefault(id(resource), (resource, {}))
-        by_scope.setdefault(span.instrumentation_scope, []).append(_span(span))
-    out = []
-    for resource, by_scope in grouped.values():
-        body = _len_field(1, _key_values(1, resource.attributes))
-        for scope, encoded in by_scope.items():
-            scope_body = b""
-            if scope is not None:
-                scope_msg = _len_field(1, scope.name.encode())
-                if scope.version:
-                    scope_msg += _len_field(2, scope.version.encode())
-                scope_body = _len_field(1, scope_msg)
-            scope_body += b"".join(_len_field(2, s) for s in encoded)
-            if scope is not None and scope.schema_url:
-                scope_body += _len_field(3, scope.schema_url.encode())
-            body += _len_field(2, scope_body)
-        if resource.schema_url:
-            body += _len_field(3, resource.schema_url.encode())
-        out.append(_len_field(1, body))
-    return b"".join(out)
+        by_scope.setdefault(span.instrumentation_scope, []).append(_span(record_of(span)))
+    return b"".join(_resource_spans(r, by_scope) for r, by_scope in grouped.values())
 
 
 # ----------------------------------------------------------------- the exporter
@@ -240,6 +283,12 @@ class OtlpHttpSpanExporter(SpanExporter):
         except Exception:
             log.exception("could not encode %d spans", len(spans))
             return SpanExportResult.FAILURE
+        return SpanExportResult.SUCCESS if self.post(body, len(spans)) else SpanExportResult.FAILURE
+
+    def post(self, body: bytes, num_spans: int) -> bool:
+        """Send one encoded ExportTraceServiceRequest; False if it could not be delivered."""
+        if self._is_shutdown:
+            return False
         if self.compression == "gzip":
             body = gzip.compress(body, compresslevel=6)
         deadline = time.monotonic() + self.timeout_s
@@ -248,17 +297,17 @@ class OtlpHttpSpanExporter(SpanExporter):
             try:
                 response = self._client.post(self.endpoint, content=body, headers=self.headers)
                 if response.is_success:
-                    return SpanExportResult.SUCCESS
+                    return True
                 if response.status_code not in RETRYABLE_STATUS:
                     log.warning("OTLP export refused: %d %s", response.status_code, response.text)
-                    return SpanExportResult.FAILURE
+                    return False
                 problem = f"status {response.status_code}"
             except httpx.HTTPError as exc:
                 problem = repr(exc)
             wait_s = delay_s * random.uniform(0.8, 1.2)
             if self._is_shutdown or time.monotonic() + wait_s >= deadline:
-                log.warning("OTLP export of %d spans failed: %s", len(spans), problem)
-                return SpanExportResult.FAILURE
+                log.warning("OTLP export of %d spans failed: %s", num_spans, problem)
+                return False
             time.sleep(wait_s)
             delay_s *= 2
 

@@ -28,14 +28,16 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from prometheus_client import CollectorRegistry, generate_latest
 
 from gateway.observability.config import TelemetryConfig
-from gateway.observability.otlp import OtlpHttpSpanExporter
 from gateway.observability.slo import RecentOutcomes, SloTargets, is_slo_met, tpot_ms
+from gateway.observability.span_export import ProcessSpanSink
 from gateway.observability.tenant_labels import TenantLabels
 from gateway.observability.tracing import (
     REQUEST_ID_ATTRIBUTE,
+    SCOPE,
     RequestTimeline,
     RequestTrace,
     RequestTracer,
+    to_span_processor,
 )
 
 log = logging.getLogger(__name__)
@@ -86,6 +88,7 @@ class Telemetry:
         self._meter_provider: MeterProvider | None = None
         self._tracer_provider: TracerProvider | None = None
         self._request_tracer: RequestTracer | None = None
+        self._span_sink: ProcessSpanSink | None = None
         # Cumulative counts, read by observable counters when scraped: a dict increment
         # on the request path instead of a synchronous instrument call per count.
         self._counts: dict[str, dict[tuple[str, ...], int]] = {
@@ -215,17 +218,19 @@ class Telemetry:
         )
 
     def _build_tracing(self) -> None:
-        exporter = self.config.span_exporter
-        if exporter is None:
-            exporter = OtlpHttpSpanExporter()  # endpoint, headers etc. from OTEL_* variables
-        # The provider reads the sampler from OTEL_TRACES_SAMPLER* and owns the
-        # processor's shutdown; the spans themselves are built by RequestTracer.
+        # The provider reads the sampler from OTEL_TRACES_SAMPLER*; the spans themselves
+        # are built by RequestTracer and exported by a process of their own, or by the
+        # exporter object the caller handed in (in this process).
         self._tracer_provider = TracerProvider(resource=self._resource())
-        processor = BatchSpanProcessor(exporter)
-        self._tracer_provider.add_span_processor(processor)
-        self._request_tracer = RequestTracer(
-            self._tracer_provider.sampler, processor, self._tracer_provider.resource
-        )
+        resource = self._tracer_provider.resource
+        if self.config.span_exporter is not None:
+            processor = BatchSpanProcessor(self.config.span_exporter)
+            self._tracer_provider.add_span_processor(processor)
+            sink = to_span_processor(processor, resource)
+        else:
+            self._span_sink = ProcessSpanSink(resource, SCOPE)
+            sink = self._span_sink.add
+        self._request_tracer = RequestTracer(self._tracer_provider.sampler, sink)
 
     @property
     def is_tracing(self) -> bool:
@@ -430,6 +435,9 @@ class Telemetry:
         """Flush spans and stop the providers (idempotent)."""
         for request_id in list(self._open_traces):
             self.end_request(request_id, None)
+        if self._span_sink is not None:
+            self._span_sink.shutdown()
+            self._span_sink = None
         if self._tracer_provider is not None:
             self._tracer_provider.shutdown()
             self._tracer_provider = None

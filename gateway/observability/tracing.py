@@ -8,20 +8,23 @@ When the response is sent, the root and its phases are emitted at once as finish
 with explicit start and end times. Every span carries `tiergate.request_id`, the value
 of the `x-request-id` header.
 
-The spans are built as finished `ReadableSpan`s and handed straight to the span
-processor, rather than started and ended through the SDK's tracer: every span here is
-known only after the fact, and the tracer's bookkeeping (context objects, attribute
-validation, locks, per-span sampling) cost more than the rest of the gateway's
-observability together. The sampler is still consulted, once per request, for the root.
+The spans are built as finished `SpanRecord`s (plain tuples) rather than started and
+ended through the SDK's tracer: every span here is known only after the fact, and the
+tracer's bookkeeping (context objects, attribute validation, locks, per-span sampling)
+cost more than the rest of the gateway's observability together. The sampler is still
+consulted, once per request, for the root. The records go to the export process
+(gateway.observability.span_export), or to an SDK span processor in this process.
 """
 
 from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.sampling import Sampler
@@ -34,14 +37,18 @@ from opentelemetry.trace import (
     Status,
     StatusCode,
     TraceFlags,
+    TraceState,
     get_current_span,
 )
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from gateway.observability.otlp import SpanRecord
+
 REQUEST_ID_ATTRIBUTE = "tiergate.request_id"
 SCOPE = InstrumentationScope("tiergate.gateway")
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
-_UNSET = Status()
+_INTERNAL, _SERVER = SpanKind.INTERNAL.value, SpanKind.SERVER.value
+_NO_PARENT = Context()
 
 
 @dataclass(frozen=True)
@@ -93,25 +100,27 @@ class RequestTrace:
 
 
 class RequestTracer:
-    """Opens a trace per request (sampler permitting) and emits its finished span tree."""
+    """Opens a trace per request (sampler permitting) and emits its finished span tree
+    as `SpanRecord`s to `sink` (the export process, or `to_span_processor`)."""
 
-    def __init__(self, sampler: Sampler, processor: SpanProcessor, resource: Resource) -> None:
+    def __init__(self, sampler: Sampler, sink: Callable[[list[SpanRecord]], None]) -> None:
         self._sampler = sampler
-        self._processor = processor
-        self._resource = resource
+        self._sink = sink
         self._propagator = TraceContextTextMapPropagator()
 
     def start(
         self, name: str, traceparent: str | None, attributes: dict[str, Any]
     ) -> tuple[str, RequestTrace | None]:
         """The request's trace id (hex, for the logs) and its trace if sampled."""
-        parent_context = None
+        # The parent comes only from the header: the sampler is handed an explicit
+        # context, never left to read the current one (which the request never set).
+        parent_context = _NO_PARENT
         parent: SpanContext | None = None
         if traceparent is not None:
             parent_context = self._propagator.extract({"traceparent": traceparent})
             parent = get_current_span(parent_context).get_span_context()
             if not parent.is_valid:
-                parent, parent_context = None, None
+                parent, parent_context = None, _NO_PARENT
         trace_id = parent.trace_id if parent is not None else _random_id(128, INVALID_TRACE_ID)
         sampling = self._sampler.should_sample(
             parent_context, trace_id, name, SpanKind.SERVER, attributes
@@ -134,56 +143,84 @@ class RequestTracer:
     def finish(self, trace: RequestTrace) -> None:
         """Emit the root span and its phases, the root ending now."""
         end_s, end_ns = time.monotonic(), time.time_ns()
-
-        def to_ns(monotonic_s: float) -> int:
-            return end_ns - int((end_s - monotonic_s) * 1e9)
-
-        on_end = self._processor.on_end
-        request_id = trace.attributes.get(REQUEST_ID_ATTRIBUTE)
+        trace_id, root_id = trace.context.trace_id, trace.context.span_id
+        trace_state = trace.context.trace_state.to_header() if trace.context.trace_state else ""
+        records = []
         if trace.timeline is not None:
+            phase_attributes = {REQUEST_ID_ATTRIBUTE: trace.attributes.get(REQUEST_ID_ATTRIBUTE)}
             last_s = trace.timeline.finished_s or end_s
             for name, start_s, stop_s in _phases(trace.timeline, last_s):
-                span_context = SpanContext(
-                    trace.context.trace_id,
-                    _random_id(64, INVALID_SPAN_ID),
-                    is_remote=False,
-                    trace_flags=_SAMPLED,
-                    trace_state=trace.context.trace_state,
-                )
-                on_end(
-                    ReadableSpan(
+                records.append(
+                    SpanRecord(
                         name,
-                        span_context,
-                        trace.context,
-                        self._resource,
-                        {REQUEST_ID_ATTRIBUTE: request_id},
-                        kind=SpanKind.INTERNAL,
-                        instrumentation_scope=SCOPE,
-                        status=_UNSET,
+                        trace_id,
+                        _random_id(64, INVALID_SPAN_ID),
+                        root_id,
+                        False,
+                        _INTERNAL,
                         # A phase never starts before its root (clocks read apart).
-                        start_time=max(to_ns(start_s), trace.start_ns),
-                        end_time=min(to_ns(stop_s), end_ns),
+                        max(end_ns - int((end_s - start_s) * 1e9), trace.start_ns),
+                        min(end_ns - int((end_s - stop_s) * 1e9), end_ns),
+                        phase_attributes,
+                        0,
+                        "",
+                        trace_state,
                     )
                 )
-        status = _UNSET
+        status_code, status_message = 0, ""
         if trace.outcome is not None:
             trace.attributes["tiergate.outcome"] = trace.outcome
             if trace.outcome not in ("ok", "aborted") and not trace.outcome.startswith("rejected:"):
-                status = Status(StatusCode.ERROR, trace.outcome)
-        on_end(
-            ReadableSpan(
+                status_code, status_message = StatusCode.ERROR.value, trace.outcome
+        parent = trace.parent
+        records.append(
+            SpanRecord(
                 trace.name,
-                trace.context,
-                trace.parent,
-                self._resource,
+                trace_id,
+                root_id,
+                parent.span_id if parent is not None else 0,
+                parent is not None and parent.is_remote,
+                _SERVER,
+                trace.start_ns,
+                end_ns,
                 trace.attributes,
-                kind=SpanKind.SERVER,
-                instrumentation_scope=SCOPE,
-                status=status,
-                start_time=trace.start_ns,
-                end_time=end_ns,
+                status_code,
+                status_message,
+                trace_state,
             )
         )
+        self._sink(records)
+
+
+def to_span_processor(
+    processor: SpanProcessor, resource: Resource
+) -> Callable[[list[SpanRecord]], None]:
+    """A sink handing the records, as SDK spans, to `processor` (for an exporter object
+    the caller built, which runs in this process)."""
+
+    def sink(records: list[SpanRecord]) -> None:
+        for r in records:
+            flags = TraceFlags(TraceFlags.SAMPLED)
+            trace_state = TraceState.from_header([r.trace_state]) if r.trace_state else None
+            parent = None
+            if r.parent_span_id:
+                parent = SpanContext(r.trace_id, r.parent_span_id, r.is_parent_remote, flags)
+            processor.on_end(
+                ReadableSpan(
+                    r.name,
+                    SpanContext(r.trace_id, r.span_id, False, flags, trace_state),
+                    parent,
+                    resource,
+                    dict(r.attributes),
+                    kind=SpanKind(r.kind),
+                    instrumentation_scope=SCOPE,
+                    status=Status(StatusCode(r.status_code), r.status_message or None),
+                    start_time=r.start_ns,
+                    end_time=r.end_ns,
+                )
+            )
+
+    return sink
 
 
 def _random_id(bits: int, invalid: int) -> int:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import gzip
+import os
 import threading
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -25,9 +27,11 @@ from starlette.routing import Route
 from gateway.observability.otlp import (
     OtlpConfigError,
     OtlpHttpSpanExporter,
+    SpanRecord,
     encode_spans,
     parse_headers,
 )
+from gateway.observability.span_export import ProcessSpanSink
 from tests.gateway.conftest import ServerThread
 
 RESOURCE = Resource.create({"service.name": "tiergate-test", "deployment": "ci"})
@@ -201,3 +205,57 @@ def test_bad_exporter_settings_are_refused(environ: dict[str, str]) -> None:
 def test_headers_parse_like_the_specification() -> None:
     assert parse_headers("") == {}
     assert parse_headers("a=1,B=x%20y, c = 3 ") == {"a": "1", "b": "x y", "c": "3"}
+
+
+def _records(n: int) -> list[SpanRecord]:
+    return [
+        SpanRecord("queue_wait", 7, 100 + i, 9, False, 0, 1, 2, {"tiergate.request_id": f"r{i}"})
+        for i in range(n)
+    ]
+
+
+def test_export_process_delivers_every_span_and_stops(receiver: Receiver) -> None:
+    environ = {
+        **os.environ,
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.thread.port}",
+        "OTEL_BSP_SCHEDULE_DELAY": "50",
+        "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "100",
+    }
+    sink = ProcessSpanSink(RESOURCE, SCOPES[0], environ)
+    sink.add(_records(250))  # two full batches go at once, the rest on the timer
+    deadline = time.monotonic() + 20
+    while sum(_count(m) for _, m in receiver.posts) < 250 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sink.add(_records(5))  # left for shutdown to send
+    sink.shutdown()
+    assert sink._process.returncode == 0
+    spans = [
+        s
+        for _, m in receiver.posts
+        for rs in m.resource_spans
+        for ss in rs.scope_spans
+        for s in ss.spans
+    ]
+    assert len(spans) == 255
+    assert {s.name for s in spans} == {"queue_wait"}
+    assert sink.num_dropped == 0
+    resource = receiver.posts[0][1].resource_spans[0].resource
+    assert {a.key: a.value.string_value for a in resource.attributes}["deployment"] == "ci"
+
+
+def test_a_dead_export_process_costs_spans_not_requests(receiver: Receiver) -> None:
+    environ = {
+        **os.environ,
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.thread.port}",
+    }
+    sink = ProcessSpanSink(RESOURCE, SCOPES[0], environ)
+    sink._process.kill()
+    sink._process.wait()
+    for _ in range(300):  # fills the socket buffer, then drops
+        sink._ship(_records(100))
+    assert sink.num_dropped > 0
+    sink.shutdown(timeout_s=1)
+
+
+def _count(message: ExportTraceServiceRequest) -> int:
+    return sum(len(ss.spans) for rs in message.resource_spans for ss in rs.scope_spans)

@@ -1,0 +1,211 @@
+"""Span export in a process of its own.
+
+The gateway's request path is bound to one interpreter lock: an exporter thread that
+builds, encodes and posts spans takes the lock from the event loop for all of that
+time, and at six spans a request the loop then served a fifth fewer requests. So the
+gateway only gathers each request's spans as plain `SpanRecord` tuples and, a batch at
+a time, pickles them into a datagram to a child process (`python -m
+gateway.observability.span_export`), which encodes and posts them over OTLP/HTTP on
+another core. The child reads the same OTEL_EXPORTER_OTLP_* variables.
+
+A datagram socket pair, non-blocking on the gateway's side: a batch goes whole or not
+at all, and a child that falls behind costs dropped spans (counted, as the SDK's batch
+processor drops them when its queue is full), never a blocked event loop. The child
+exits when the gateway closes its end or dies.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+from gateway.observability.otlp import OtlpHttpSpanExporter, SpanRecord, encode_records
+
+log = logging.getLogger(__name__)
+
+MAX_DATAGRAM_BYTES = 60_000  # well under the socket buffer; a bigger batch is split
+SOCKET_BUFFER_BYTES = 4 * 2**20
+_END = b"end"  # the gateway's last datagram: export what is left, then exit
+
+
+def _float_env(environ: Mapping[str, str], name: str, default: float) -> float:
+    try:
+        return float(environ.get(name, "") or default)
+    except ValueError:
+        return default
+
+
+class ProcessSpanSink:
+    """Gathers span records on the gateway's side and ships them to the export process.
+
+    `add` is called on the event loop and costs a list append; a batch is pickled and
+    sent once it holds `batch_size` spans, and a flusher thread sends what is waiting
+    every `schedule_delay_s` (OTEL_BSP_SCHEDULE_DELAY, milliseconds, as the SDK reads it).
+    """
+
+    def __init__(
+        self,
+        resource: Resource,
+        scope: InstrumentationScope,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        environ = dict(os.environ if environ is None else environ)
+        self.schedule_delay_s = _float_env(environ, "OTEL_BSP_SCHEDULE_DELAY", 1000) / 1000
+        self.batch_size = int(_float_env(environ, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512))
+        self.num_dropped = 0
+        self._pending: list[SpanRecord] = []
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+        for sock in (parent, child):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+        parent.setblocking(False)
+        self._sock = parent
+        header = pickle.dumps(
+            (dict(resource.attributes), resource.schema_url, scope.name, scope.version)
+        )
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "gateway.observability.span_export", str(child.fileno())],
+                pass_fds=(child.fileno(),),
+                env=environ,
+            )
+        except BaseException:
+            parent.close()
+            raise
+        finally:
+            child.close()
+        self._send(header)
+        self._flusher = threading.Thread(
+            target=self._flush_every, name="tiergate-span-flush", daemon=True
+        )
+        self._flusher.start()
+
+    def add(self, records: Sequence[SpanRecord]) -> None:
+        self._pending.extend(records)
+        if len(self._pending) >= self.batch_size:
+            self.flush()
+
+    def flush(self) -> None:
+        with self._lock:
+            batch, self._pending = self._pending, []
+        if batch:
+            self._ship(batch)
+
+    def _ship(self, batch: list[SpanRecord]) -> None:
+        data = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
+        if len(data) > MAX_DATAGRAM_BYTES and len(batch) > 1:
+            half = len(batch) // 2
+            self._ship(batch[:half])
+            self._ship(batch[half:])
+            return
+        if not self._send(data):
+            self.num_dropped += len(batch)
+            log.warning("span export is behind: dropped %d spans", len(batch))
+
+    def _send(self, data: bytes) -> bool:
+        try:
+            self._sock.send(data)
+        except (BlockingIOError, OSError):
+            return False
+        return True
+
+    def _flush_every(self) -> None:
+        while not self._closed.wait(self.schedule_delay_s):
+            try:
+                self.flush()
+            except Exception:  # the flusher must outlive one bad batch
+                log.exception("span flush failed")
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Send what is waiting, let the child export it, and stop it."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._flusher.join(timeout_s)
+        self.flush()
+        deadline = time.monotonic() + timeout_s
+        while not self._send(_END) and time.monotonic() < deadline:
+            time.sleep(0.01)  # the child is draining a full buffer
+        try:
+            self._process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("span export process did not finish in %.0f s; stopped", timeout_s)
+            self._process.kill()
+            self._process.wait()
+        self._sock.close()
+
+
+def _serve(sock: socket.socket, exporter: OtlpHttpSpanExporter) -> None:
+    attributes, schema_url, scope_name, scope_version = pickle.loads(
+        sock.recv(MAX_DATAGRAM_BYTES * 2)
+    )
+    resource = Resource(attributes, schema_url)
+    scope = InstrumentationScope(scope_name, scope_version)
+    parent = os.getppid()
+    sock.settimeout(1.0)
+    while True:
+        try:
+            data = sock.recv(MAX_DATAGRAM_BYTES * 2)
+        except TimeoutError:
+            if os.getppid() != parent:
+                return  # the gateway died without saying goodbye
+            continue
+        if not data or data == _END:
+            return
+        records: list[Any] = pickle.loads(data)
+        # Everything already waiting goes out in the same request.
+        sock.setblocking(False)
+        try:
+            while len(records) < 4096:
+                more = sock.recv(MAX_DATAGRAM_BYTES * 2)
+                if more == _END or not more:
+                    _post(exporter, resource, scope, records)
+                    return
+                records.extend(pickle.loads(more))
+        except BlockingIOError:
+            pass
+        finally:
+            sock.settimeout(1.0)
+        _post(exporter, resource, scope, records)
+
+
+def _post(
+    exporter: OtlpHttpSpanExporter,
+    resource: Resource,
+    scope: InstrumentationScope,
+    records: list[Any],
+) -> None:
+    try:
+        exporter.post(encode_records(resource, scope, records), len(records))
+    except Exception:
+        log.exception("could not export %d spans", len(records))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.WARNING, format="span-export: %(message)s")
+    sock = socket.socket(fileno=int(argv[0]))
+    exporter = OtlpHttpSpanExporter()
+    try:
+        _serve(sock, exporter)
+    finally:
+        exporter.shutdown()
+        sock.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
