@@ -4,9 +4,9 @@ The gateway's request path is bound to one interpreter lock: an exporter thread 
 builds, encodes and posts spans takes the lock from the event loop for all of that
 time, and at six spans a request the loop then served a fifth fewer requests. So the
 gateway only gathers each request's spans as plain `SpanRecord` tuples and, a batch at
-a time, pickles them into a datagram to a child process (`python -m
-gateway.observability.span_export`), which encodes and posts them over OTLP/HTTP on
-another core. The child reads the same OTEL_EXPORTER_OTLP_* variables.
+a time, pickles them into a datagram to a child process (`main` below), which encodes
+and posts them over OTLP/HTTP on another core. The child reads the same
+OTEL_EXPORTER_OTLP_* variables.
 
 A datagram socket pair, non-blocking on the gateway's side: a batch goes whole or not
 at all, and a child that falls behind costs dropped spans (counted, as the SDK's batch
@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 MAX_DATAGRAM_BYTES = 60_000  # well under the socket buffer; a bigger batch is split
 SOCKET_BUFFER_BYTES = 4 * 2**20
 _END = b"end"  # the gateway's last datagram: export what is left, then exit
+_CHILD = "import sys; from gateway.observability.span_export import main; sys.exit(main())"
 
 
 def _float_env(environ: Mapping[str, str], name: str, default: float) -> float:
@@ -78,7 +79,8 @@ class ProcessSpanSink:
         )
         try:
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "gateway.observability.span_export", str(child.fileno())],
+                # -c, not -m: the package imports this module, which -m would run twice.
+                [sys.executable, "-c", _CHILD, str(child.fileno())],
                 pass_fds=(child.fileno(),),
                 env=environ,
             )

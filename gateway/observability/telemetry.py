@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.metrics import CallbackOptions, Observation
-from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter, MeterProvider
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -109,7 +109,13 @@ class Telemetry:
 
     def _build_metrics(self) -> None:
         reader = PrometheusMetricReader(registry=self.registry, scope_info_enabled=False)
-        self._meter_provider = MeterProvider(metric_readers=[reader], resource=self._resource())
+        # No exemplars: the Prometheus text format has no place for them, and the default
+        # filter looks up the current span on every histogram record.
+        self._meter_provider = MeterProvider(
+            metric_readers=[reader],
+            resource=self._resource(),
+            exemplar_filter=AlwaysOffExemplarFilter(),
+        )
         meter = self._meter_provider.get_meter("tiergate.gateway")
         counters = {
             "requests": (
