@@ -225,5 +225,9 @@ def test_decode_rate_is_measured_when_every_step_mixes_in_prefill() -> None:
         rates.append(engine.stats().decode_tokens_per_s)
     assert engine.cost_model.is_ready
     assert rates[-1] > 0
-    # Sampled on (nearly) every step, not stuck at a first value.
-    assert len(set(rates[10:])) > 15
+    # Sampled on most steps, not stuck at a first value. (A step whose measured time the
+    # fit gives wholly to its prompt tokens is skipped; on a loaded machine the noisy fit
+    # does that now and then, so "most", not "every".)
+    later = rates[10:]
+    assert len(later) >= 20
+    assert len(set(later)) > len(later) // 2
