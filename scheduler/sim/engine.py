@@ -102,6 +102,11 @@ class SimEngine:
             clock=lambda: clock[0],
         )
         self._plan: StepPlan | None = None
+        # (fewest tokens any running request has left, KV tokens a decode of all of them
+        # reads), gathered by the pass that last touched every running request (end_step,
+        # apply_decode_run) when all of them then decode; None when unknown. Saves
+        # plan_decode_run its own pass; anything that changes the scheduler clears it.
+        self._decode_summary: tuple[int, int] | None = None
         self.is_stepping = False
         self.num_steps = 0
         self.busy_s = 0.0
@@ -157,11 +162,13 @@ class SimEngine:
             SamplingParams(max_tokens=num_output_tokens, ignore_eos=True),
             priority,
         )
+        self._decode_summary = None
         self.scheduler.add(request)
         return request
 
     def start_step(self) -> float | None:
         """Plan a step; its duration in seconds, or None when there is nothing to run."""
+        self._decode_summary = None
         plan = self.scheduler.schedule()
         if plan.is_empty:
             self._plan = None
@@ -205,6 +212,9 @@ class SimEngine:
         outputs = outcome.output_tokens if self.report_outputs else None
         num_recomputed = 0
         num_produced = 0
+        num_decoding = 0  # requests that made a token and go on: decode next step
+        fewest_left = -1
+        num_kv = 0
         # Runs once per simulated step over every scheduled request: kept flat.
         for chunk in plan.chunks:
             request = chunk.request
@@ -231,12 +241,20 @@ class SimEngine:
                 outcome.first_tokens.append(request)
                 if not request.num_preemptions:
                     del high_water[request.request_id]  # decoding: num_tokens - 1 from now
-            if len(tokens) >= request.params.max_tokens:
+            left = request.params.max_tokens - len(tokens)
+            if left <= 0:
                 self.scheduler.finish(request, FinishReason.LENGTH)
                 high_water.pop(request.request_id, None)
                 outcome.finished.append(request)
+                continue
+            num_decoding += 1
+            if fewest_left < 0 or left < fewest_left:
+                fewest_left = left
+            num_kv += end + 1
         outcome.num_recomputed_tokens = num_recomputed
         outcome.num_output_tokens = num_produced
+        if num_decoding and num_decoding == self.scheduler.num_running:
+            self._decode_summary = (fewest_left, num_kv)
         return outcome
 
     # ------------------------------------------------------------- fast-forward
@@ -256,23 +274,10 @@ class SimEngine:
         if scheduler.num_waiting or not scheduler.num_running:
             return None
         running = scheduler.running
-        num_steps = -1
-        kv = 0
-        # Runs at nearly every step end of a loaded engine: kept flat (num_tokens and
-        # the block count spelt out).
-        for request in running:
-            computed = request.num_computed_tokens
-            num_output = len(request.output_token_ids)
-            if computed != len(request.prompt_token_ids) + num_output - 1:
-                return None  # prefilling or recomputing
-            if not num_output:
-                # A prompt chunked to its last token: that one-token step makes the
-                # first token, whose time a run would not report.
-                return None
-            left = request.params.max_tokens - num_output
-            if num_steps < 0 or left < num_steps:
-                num_steps = left
-            kv += computed + 1
+        shape = self._decode_summary or self._decode_shape(running)
+        if shape is None:
+            return None
+        num_steps, kv = shape
         if num_steps < min_steps:
             return None
         num_steps = self._steps_that_fit(running, num_steps)
@@ -298,12 +303,37 @@ class SimEngine:
             kv += n
         return offsets
 
+    @staticmethod
+    def _decode_shape(running: Sequence[Request]) -> tuple[int, int] | None:
+        """(fewest tokens left, KV tokens read) of a decode of every running request, or
+        None when one of them would not decode (see _decode_summary)."""
+        fewest_left = -1
+        kv = 0
+        for request in running:
+            computed = request.num_computed_tokens
+            num_output = len(request.output_token_ids)
+            if computed != len(request.prompt_token_ids) + num_output - 1:
+                return None  # prefilling or recomputing
+            if not num_output:
+                # A prompt chunked to its last token: that one-token step makes the
+                # first token, whose time a run would not report.
+                return None
+            left = request.params.max_tokens - num_output
+            if fewest_left < 0 or left < fewest_left:
+                fewest_left = left
+            kv += computed + 1
+        return fewest_left, kv
+
     def _steps_that_fit(self, running: Sequence[Request], num_steps: int) -> int:
         """Largest j <= num_steps whose decode blocks all fit in the free pool (more would
         preempt under KV pressure, which only the real scheduler may decide)."""
         bm = self.block_manager
         free = bm.num_free_blocks
         size = bm.block_size
+        # A request holds blocks for at least its computed tokens, so j more tokens take
+        # at most ceil(j / size) new blocks each: with that many free, all j fit.
+        if len(running) * -(-num_steps // size) <= free:
+            return num_steps
 
         def needed(j: int) -> int:
             # Σ max(0, num_blocks_for(computed + j) - blocks held)
@@ -347,6 +377,8 @@ class SimEngine:
         tokens = [1] * num_steps
         bm = self.block_manager
         size = bm.block_size
+        fewest_left = -1
+        num_kv = 0
         for request in running:
             end = request.num_computed_tokens + num_steps
             # allocate_slots would find the blocks it holds enough; skip the call.
@@ -359,11 +391,18 @@ class SimEngine:
             output_ids.extend(tokens)
             if outputs is not None:
                 outputs.append((request, num_steps))
-            if len(output_ids) >= request.params.max_tokens:
+            left = request.params.max_tokens - len(output_ids)
+            if left <= 0:
                 scheduler.finish(request, FinishReason.LENGTH)
                 high_water.pop(request.request_id, None)
                 outcome.finished.append(request)
-            elif request.num_preemptions:
+                continue
+            if request.num_preemptions:
                 high_water[request.request_id] = end  # see _high_water
+            if fewest_left < 0 or left < fewest_left:
+                fewest_left = left
+            num_kv += end + 1
         outcome.num_output_tokens = n * num_steps
+        # Every running request decoded and goes on decoding (see _decode_summary).
+        self._decode_summary = (fewest_left, num_kv) if fewest_left > 0 else None
         return outcome
