@@ -271,6 +271,12 @@ PROBE_TTFT_SLO_MS = 5000.0
 PROBE_PERIOD_S = 0.5
 
 
+# Clients here open a connection per request: a kept-alive connection that sat idle
+# for the server's keep-alive timeout (5 s) can be closed by the server just as the
+# client sends on it, which fails the request without the server having seen it.
+FRESH_CONNECTIONS = httpx.Limits(max_connections=128, max_keepalive_connections=0)
+
+
 @dataclass(frozen=True)
 class QueueRead:
     """One atomic read of the batch tier in Redis: counters and queued jobs per tenant."""
@@ -316,8 +322,9 @@ async def _flood(fleet: Fleet) -> FloodResult:
     result = FloodResult([], [], [])
     keys = KeySpace(fleet.prefix)
     ids = {t: fleet.tenant_ids[t] for t in FAIR_WEIGHTS}
-    limits = httpx.Limits(max_connections=128, max_keepalive_connections=128)
-    stop = asyncio.Event()
+    limits = FRESH_CONNECTIONS
+    measured = asyncio.Event()  # the window closed: no more probes
+    stop = asyncio.Event()  # the last probe is done: the tenants stop
     store = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
 
     async with httpx.AsyncClient(timeout=120, limits=limits) as http:
@@ -355,7 +362,7 @@ async def _flood(fleet: Fleet) -> FloodResult:
         async def probe_loop() -> None:
             await asyncio.sleep(WARMUP_S)
             i = 0
-            while not stop.is_set():
+            while not measured.is_set():
                 at_send = await batch_queued()
                 started = asyncio.Event()
                 probe = asyncio.create_task(
@@ -391,12 +398,19 @@ async def _flood(fleet: Fleet) -> FloodResult:
                             return
                     await asyncio.sleep(READ_PERIOD_S)
             finally:
+                measured.set()
+
+        async def measure_and_probe() -> None:
+            # The flood lasts until the last probe has its answer, so that every probe
+            # runs while batch work is queued.
+            try:
+                await asyncio.gather(measure(), probe_loop())
+            finally:
                 stop.set()
 
         try:
             await asyncio.gather(
-                measure(),
-                probe_loop(),
+                measure_and_probe(),
                 *(
                     tenant_stream(tenant, slot)
                     for tenant, num_streams in FAIR_IN_FLIGHT.items()
@@ -484,12 +498,12 @@ def _completion(fleet: Fleet, tenant: str, gateway: int, **kwargs: object) -> ht
     )
 
 
-def _until(predicate, timeout_s: float) -> float:
+def _until(predicate, timeout_s: float, what: str = "") -> float:
     """Seconds until predicate() held; fails after timeout_s."""
     started_s = time.monotonic()
     while not predicate():
         if time.monotonic() - started_s > timeout_s:
-            raise AssertionError(f"not within {timeout_s} s")
+            raise AssertionError(f"{what or predicate} not within {timeout_s} s")
         time.sleep(0.05)
     return time.monotonic() - started_s
 
@@ -522,11 +536,18 @@ SLO_MAX_TOKENS = 200
 # machine, however loaded. The wait itself is still checked against the model exactly.
 AHEAD_PROMPT = [217, 20, 222, 38, 160, 45, 145, 140, 205, 101, 151, 79, 210, 155, 242, 177]
 AHEAD_MAX_TOKENS = 230
-NUM_AHEAD = 2 * MAX_NUM_SEQS  # one lease each for every sequence slot of the fleet
+# Enough jobs ahead (at least one per sequence slot of the fleet) for the predicted wait
+# to last AHEAD_WAIT_MS: seconds longer than they really take plus the heartbeat (750 ms)
+# after which the workers' reports no longer show them, whatever rates were measured.
+AHEAD_WAIT_MS = 3500.0
+MIN_AHEAD, MAX_AHEAD = 2 * MAX_NUM_SEQS, 40
 # The refused request's SLO lies this far into the wait the jobs ahead add (between the
 # lone prediction, which fits, and the one behind them, which does not).
-SLO_INTO_WAIT = 0.25
-FRESH_REPORT_MS = 250  # workers are paused right after both have reported
+SLO_INTO_WAIT = 0.1
+# Workers are paused when neither report is older than this. The two heartbeats (every
+# 750 ms) run at unrelated phases, so both are this fresh at some moment of every cycle,
+# and their reports then outlive the pause by seconds (they lapse after 3,750 ms).
+FRESH_REPORT_MS = 450
 
 
 def _workers(fleet: Fleet, signum: int) -> None:
@@ -554,7 +575,7 @@ def test_slo_refusal_retry_after_is_honest(fleet: Fleet) -> None:
     (counted from when the fleet could work again) succeeds."""
     from scheduler.admission import AdmissionConfig
 
-    _until(lambda: not fleet.queues()["tiers"], 10.0)
+    _until(lambda: not fleet.queues()["tiers"], 10.0, "an empty queue")
     capacity = _stable_capacity(fleet)
     assert capacity["live"] == 2
     fraction = AdmissionConfig().decode_ahead_fraction
@@ -562,10 +583,12 @@ def test_slo_refusal_retry_after_is_honest(fleet: Fleet) -> None:
     def prefill_ms(num_tokens: int) -> float:
         return 1000.0 * num_tokens / capacity["prefill_tokens_per_s"]
 
-    ahead_ms = NUM_AHEAD * (
+    per_job_ms = (
         prefill_ms(len(AHEAD_PROMPT))
         + 1000.0 * fraction * AHEAD_MAX_TOKENS / capacity["decode_tokens_per_s"]
     )
+    num_ahead = min(MAX_AHEAD, max(MIN_AHEAD, math.ceil(AHEAD_WAIT_MS / per_job_ms)))
+    ahead_ms = num_ahead * per_job_ms
     fleet.add_tier("slo-ahead", rank=0)
     fleet.add_tenant("slo-ahead", "slo-ahead")
     # The gateway's prediction for the request alone: what a 1 us SLO refuses it by.
@@ -589,7 +612,7 @@ def test_slo_refusal_retry_after_is_honest(fleet: Fleet) -> None:
         )
 
     async def scenario() -> tuple[httpx.Response, httpx.Response, list[Served], Served]:
-        async with httpx.AsyncClient(timeout=120) as http:
+        async with httpx.AsyncClient(timeout=120, limits=FRESH_CONNECTIONS) as http:
             # Paused workers lease nothing, so the jobs ahead stay queued. Their reports
             # count for 5 heartbeats: pause them just after both reported, which leaves
             # seconds for what follows.
@@ -599,6 +622,7 @@ def test_slo_refusal_retry_after_is_honest(fleet: Fleet) -> None:
                     for w in fleet.queues()["workers"]["data"]
                 ),
                 10.0,
+                "fresh reports of both workers",
             )
             _workers(fleet, signal.SIGSTOP)
             try:
@@ -613,9 +637,9 @@ def test_slo_refusal_retry_after_is_honest(fleet: Fleet) -> None:
                             AHEAD_PROMPT,
                         )
                     )
-                    for _ in range(NUM_AHEAD)
+                    for _ in range(num_ahead)
                 ]
-                while int(store.hget(keys.depth, "slo-ahead") or 0) < NUM_AHEAD:
+                while int(store.hget(keys.depth, "slo-ahead") or 0) < num_ahead:
                     assert not any(t.done() for t in ahead), [t.result() for t in ahead if t.done()]
                     await asyncio.sleep(0.01)
                 refused = await request(http)
@@ -644,8 +668,8 @@ def test_slo_refusal_retry_after_is_honest(fleet: Fleet) -> None:
     expected_ms = alone_ms + ahead_ms - slo_ms
     print(
         f"SLO {slo_ms:.0f} ms, Retry-After {wait_ms} ms (model: {expected_ms:.1f} ms); "
-        f"jobs ahead generated {[s.num_completion_tokens for s in ahead]} tokens, "
-        f"the retry's TTFT {again.ttft_ms:.0f} ms"
+        f"{num_ahead} jobs ahead generated {sorted({s.num_completion_tokens for s in ahead})}"
+        f" tokens, the retry's TTFT {again.ttft_ms:.0f} ms"
     )
     # The jobs ahead's share of the wait, no more (ceil to ms on both predictions).
     assert expected_ms - 2.0 <= wait_ms <= expected_ms + 2.0
