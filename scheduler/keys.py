@@ -28,7 +28,9 @@ Families (after the prefix):
 - `res:<id>`              stream, one request's result events; expires after the last
 - `workers`               sorted set, worker id -> ms until its capacity report lapses
 - `cap:<worker>`          hash, a worker's measured prefill and decode tokens/s and the
-                          work its engine holds per rank (JSON fields)
+                          work its engine holds per rank (JSON fields); for operators
+                          also its running and waiting sequences, KV-cache use and
+                          when it reported (`reported_at_ms`)
 - `rl:<tenant>`           hash, a tenant's RPM and TPM bucket levels
 - `rl_inflight:<tenant>`  sorted set, reservation id -> ms when it lapses (concurrency)
 """
