@@ -1,28 +1,31 @@
 """Does the simulator predict the real system? One trace through both, side by side.
 
-1. calibrate: time the real engine's steps on this machine and fit the `cpu-tiny`
-   roofline to them (`scheduler.sim.calibrate`, the code behind `calibrate --measure`),
-   in a process of its own with the engine's thread count of the real run;
-2. workload: the three-tier mix with the real server's tiers (SLOs, ranks, shares read
-   from its admin API) and short CPU-sized lengths, at the rate that keeps the
-   calibrated engine busy `--load` of the time; written out as a trace;
-3. real: a `tiergate serve`-equivalent process (`build_app`: gateway, in-memory queue,
-   dispatcher, engine with the built-in model on CPU) receives the trace open-loop from
-   this process, one tenant per trace tenant, every request a streamed completion; TTFT
-   and TPOT measured client-side from the stream, as the architecture defines them;
-4. sim: the same trace through the simulator (policy `tiered`, one engine, the
-   calibrated preset);
+1. calibrate: `calibrate --measure` (scheduler.sim.calibrate) in a process of its own,
+   with the engine's thread count of the real run: preset "measure";
+2. workload: the three-tier mix on the real server's tiers (SLOs, ranks, shares read
+   from its admin API), short CPU-sized lengths, at the rate that keeps the calibrated
+   engine busy `--load` of the time; written out as a trace;
+3. real: a server process (`build_app`: gateway, in-memory queue, dispatcher, engine with
+   the built-in model on CPU, its steps logged); the request path measured on it idle
+   (send to prefill, step end to client); a calibration replay (another draw of the
+   workload) whose step cycles give preset "serving"; then the trace, open loop, from
+   this process, one tenant per trace tenant, every request a streamed completion, TTFT
+   and TPOT measured client-side as the architecture defines them;
+4. sim: the same trace through the simulator (policy `tiered`, one engine) with each
+   preset (and with "serving" fitted on the measured replay's own steps), the request
+   path added;
 5. the table: P50/P99 TTFT and TPOT per tier and overall, output tokens/s, with the
-   relative error and pass/fail (15% for latencies, 10% for throughput).
+   relative error and pass/fail (15% for latencies, 10% for throughput), the measured
+   step cycles against each preset's prediction, and the spread over `--repeats`.
 
 The server's engine is the real one with one harness change: sampled token ids that
 would end a request early (end of sequence) or stream no text on their own (special
 tokens, pieces of a multi-byte character) are mapped to a plain text token after
-sampling. Every request then runs to its trace length and every token arrives as one
-chunk, which is what the trace and the client's timing need; the compute of every step
-is untouched.
+sampling. Every request then runs to its trace length and every token arrives as text,
+which is what the trace and the client's timing need; the compute of every step is
+untouched. See docs/simulate.md, "Fidelity".
 
-    python benchmarks/simulate_fidelity.py [--load 0.7] [--duration 60] [--repeats 2]
+    python benchmarks/simulate_fidelity.py [--load 0.7] [--duration 60] [--repeats 3]
         [--out fidelity-out]
 """
 
@@ -461,7 +464,9 @@ async def _warm_up(port: int, key: str, text_ids: list[int]) -> None:
 class Calibration:
     """A fitted preset and where its samples came from."""
 
-    source: str  # "measure" (calibrate --measure) or "serving" (a calibration replay)
+    # "measure" (calibrate --measure), "serving" (a calibration replay) or "serving,
+    # same run" (the measured replay's own steps)
+    source: str
     params: RooflineParams
     mean_abs_rel_error: float
     num_samples: int
@@ -501,7 +506,9 @@ def _measure_calibration(args: argparse.Namespace, path: Path) -> Calibration:
     return Calibration("measure", params, data["mean_abs_rel_error"], data["num_samples"])
 
 
-def _serving_calibration(steps: list[LoggedStep], base: RooflineParams) -> Calibration:
+def _serving_calibration(
+    steps: list[LoggedStep], base: RooflineParams, source: str = "serving"
+) -> Calibration:
     """The same roofline fitted to the engine's step cycles in service (averaged per kind
     of step), so that the host work of serving (streaming each token through the event
     loop, the interpreter shared with it) is in the fit."""
@@ -509,7 +516,7 @@ def _serving_calibration(steps: list[LoggedStep], base: RooflineParams) -> Calib
 
     samples = mean_by_shape(cycle_samples(steps))
     fit = fit_roofline(base, samples)
-    return Calibration("serving", fit.params, fit.mean_abs_rel_error, fit.num_samples)
+    return Calibration(source, fit.params, fit.mean_abs_rel_error, fit.num_samples)
 
 
 def _read_steps(path: Path, skip: int = 0) -> list[LoggedStep]:
@@ -617,7 +624,10 @@ def run_once(args: argparse.Namespace, index: int, out: Path) -> RunResult:
             server.wait(timeout=60)
     real = summarize([s.outcome for s in sent])
     lags = sorted(s.lag_s for s in sent)
-    calibrations = {c.source: c for c in (measured, serving)}
+    # The same fit to the measured replay's own steps: no prediction, but it shows how
+    # much of the error is the machine's speed drifting between calibration and run.
+    same_run = _serving_calibration(steps, measured.params, "serving, same run")
+    calibrations = {c.source: c for c in (measured, serving, same_run)}
     # 4. the simulator, same trace, once per calibration
     sims = {name: _simulate(spec, trace, c, path, args) for name, c in calibrations.items()}
     return RunResult(

@@ -197,3 +197,47 @@ def test_the_request_path_moves_arrivals_and_first_tokens_to_the_clients_clock()
         assert after[request_id].ttft_s == pytest.approx(o.ttft_s + 0.005, abs=1e-6)
         assert after[request_id].finish_s == pytest.approx(o.finish_s + 0.005, abs=1e-6)
         assert after[request_id].tpot_s == pytest.approx(o.tpot_s, abs=1e-9)
+
+
+@pytest.mark.slow
+def test_a_short_trace_through_the_real_server_and_the_simulator(tmp_path) -> None:
+    """The benchmark's harness end to end: server process, tenants, open-loop replay."""
+    import asyncio
+    import importlib.util
+    import json
+    import secrets
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[3] / "benchmarks" / "simulate_fidelity.py"
+    spec_ = importlib.util.spec_from_file_location("simulate_fidelity", path)
+    bench = importlib.util.module_from_spec(spec_)
+    sys.modules.setdefault("simulate_fidelity", bench)  # its dataclasses look it up
+    spec_.loader.exec_module(bench)
+
+    token = secrets.token_urlsafe(16)
+    port = bench._free_port()
+    url = f"http://127.0.0.1:{port}"
+    step_log = tmp_path / "steps.jsonl"
+    server = bench._spawn(
+        *("--serve", "--port", str(port), "--data-dir", str(tmp_path), f"--admin-token={token}"),
+        *("--threads", "1", "--step-log", str(step_log)),
+    )
+    try:
+        bench._wait_up(url, server)
+        workload = bench.workload_spec(bench.server_tiers(url, token), 4.0, 2.0, seed=5)
+        trace = trace_of(generate(workload))
+        keys = bench._tenant_keys(url, token, workload.tenants)
+        sent = asyncio.run(bench.replay(port, trace, keys, bench._text_ids(), 5))
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    outcomes = {s.outcome.request_id: s.outcome for s in sent}
+    assert sorted(outcomes) == sorted(r.request_id for r in trace)
+    for r in trace:
+        o = outcomes[r.request_id]
+        assert o.status == OK, o
+        assert o.num_output_tokens == r.max_tokens  # the harness keeps the trace's lengths
+        assert o.ttft_s > 0
+    steps = [LoggedStep.from_row(json.loads(line)) for line in step_log.read_text().splitlines()]
+    assert sum(s.shape.num_batched_tokens for s in steps) >= sum(r.num_prompt_tokens for r in trace)
