@@ -148,6 +148,14 @@ class _Step:
     num_tokens: int = 0
     prefill_budget: int = 0  # tokens left for prefill chunks (continued and new)
     under_kv_pressure: bool = False
+    # Running requests still prefilling when decodes were planned, in running order:
+    # the only ones the prefill pass can give a chunk (nothing joins the running list
+    # before admission).
+    prefilling: list[Request] = field(default_factory=list)
+    # The tightest TPOT SLO of the running requests as the decode pass found it (None:
+    # none), with whether it was looked up; valid while nobody has been preempted.
+    tightest_tpot_slo_ms: float | None = None
+    has_tightest_tpot_slo: bool = False
 
 
 class StepScheduler:
@@ -177,6 +185,7 @@ class StepScheduler:
         self._running: list[Request] = []  # sorted by _running_key
         self._lost_tokens: dict[str, int] = {}  # computed tokens dropped by a preemption
         self._stats = SchedulerStats()
+        self._num_steps = 0  # SchedulerStats.num_steps, counted apart: once per schedule()
 
     # ----------------------------------------------------------------- queries
 
@@ -200,7 +209,7 @@ class StepScheduler:
 
     @property
     def stats(self) -> SchedulerStats:
-        return self._stats
+        return replace(self._stats, num_steps=self._num_steps)
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
@@ -334,7 +343,7 @@ class StepScheduler:
         # come straight back and thrash.
         if not step.under_kv_pressure:
             self._admit(step)
-        self._stats = replace(self._stats, num_steps=self._stats.num_steps + 1)
+        self._num_steps += 1
         return StepPlan(
             chunks=list(step.chunks.values()),
             preempted=step.preempted,
@@ -342,7 +351,7 @@ class StepScheduler:
         )
 
     def _schedule_decodes(self, step: _Step) -> None:
-        max_seqs = self._max_decode_seqs()
+        max_seqs = self._max_decode_seqs(step)
         bm = self.block_manager
         size = bm.block_size
         running = RequestStatus.RUNNING
@@ -355,7 +364,8 @@ class StepScheduler:
             computed = request.num_computed_tokens
             num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
             if computed < num_tokens - 1:
-                continue  # prefilling
+                step.prefilling.append(request)
+                continue
             if computed >= num_tokens:
                 continue  # its sampled token was not appended; nothing to run
             if max_seqs is not None and len(chunks) >= max_seqs and _is_yielding(request):
@@ -374,7 +384,7 @@ class StepScheduler:
             step.num_tokens += 1
 
     def _schedule_prefills(self, step: _Step) -> None:
-        for request in list(self._running):
+        for request in step.prefilling:
             if step.prefill_budget <= 0:
                 return
             if (
@@ -401,7 +411,7 @@ class StepScheduler:
             self._add_chunk(step, request, num_tokens)
             step.prefill_budget -= num_tokens
 
-    def _max_decode_seqs(self) -> int | None:
+    def _max_decode_seqs(self, step: _Step) -> int | None:
         """How many decodes a step may hold and still keep the tightest TPOT SLO of the
         requests decoding, or None when nothing limits it.
 
@@ -413,7 +423,9 @@ class StepScheduler:
         model = self.cost_model
         if model is None or not model.is_ready:
             return None
-        tightest_ms = self._tightest_tpot_slo_ms()
+        tightest_ms, num_kept = self._tpot_limits()
+        step.tightest_tpot_slo_ms = tightest_ms
+        step.has_tightest_tpot_slo = True
         if tightest_ms is None:
             return None
         slo_s = tightest_ms / 1000.0 * self.config.tpot_slo_share
@@ -421,29 +433,35 @@ class StepScheduler:
         num_seqs = len(self._running)
         while num_seqs > 1 and model.predict(num_seqs + floor, num_seqs + 1) > slo_s:
             num_seqs -= 1
-        num_kept = 0
-        for r in self._running:
-            if not (r.priority.preemptible and r.priority.tpot_slo_ms is None):  # _is_yielding
-                num_kept += 1
         return max(num_seqs, num_kept + 1)
 
-    def _tightest_tpot_slo_ms(self) -> float | None:
-        """The smallest TPOT SLO of the running requests that have begun decoding."""
+    def _tpot_limits(self) -> tuple[float | None, int]:
+        """The smallest TPOT SLO of the running requests that have begun decoding (None
+        if none has one), and how many running requests keep their decode slot (are not
+        `_is_yielding`). One pass: it runs at every step."""
         tightest = None
+        num_kept = 0
         for r in self._running:
-            slo_ms = r.priority.tpot_slo_ms
-            if slo_ms is None or not r.output_token_ids:  # no SLO, or no token out yet
+            priority = r.priority
+            slo_ms = priority.tpot_slo_ms
+            if slo_ms is None:
+                if not priority.preemptible:
+                    num_kept += 1
                 continue
-            if tightest is None or slo_ms < tightest:
+            num_kept += 1
+            if r.output_token_ids and (tightest is None or slo_ms < tightest):
                 tightest = slo_ms
-        return tightest
+        return tightest, num_kept
 
     def _prefill_budget(self, step: _Step) -> int:
         budget = self.config.max_num_batched_tokens - step.num_tokens
         model = self.cost_model
         if model is None or not model.is_ready:
             return budget
-        tightest_ms = self._tightest_tpot_slo_ms()
+        if step.has_tightest_tpot_slo and not step.preempted:
+            tightest_ms = step.tightest_tpot_slo_ms
+        else:
+            tightest_ms, _ = self._tpot_limits()
         if tightest_ms is None:
             return budget
         num_seqs = len(step.chunks) + 1
