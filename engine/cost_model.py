@@ -49,11 +49,23 @@ class StepCostModel:
         if num_batched_tokens <= 0 or not math.isfinite(step_time_s) or step_time_s < 0:
             return
         x = self._features(num_batched_tokens, num_seqs)
-        for i, xi in enumerate(x):
-            row = self._xtx[i]
-            for j, xj in enumerate(x):
-                row[j] = self.decay * row[j] + xi * xj
-            self._xty[i] = self.decay * self._xty[i] + xi * step_time_s
+        decay = self.decay
+        if len(x) == 2:
+            # The loop below for two features, unrolled (an engine observes every step).
+            x0, x1 = x
+            row0, row1, xty = self._xtx[0], self._xtx[1], self._xty
+            row0[0] = decay * row0[0] + x0 * x0
+            row0[1] = decay * row0[1] + x0 * x1
+            xty[0] = decay * xty[0] + x0 * step_time_s
+            row1[0] = decay * row1[0] + x1 * x0
+            row1[1] = decay * row1[1] + x1 * x1
+            xty[1] = decay * xty[1] + x1 * step_time_s
+        else:
+            for i, xi in enumerate(x):
+                row = self._xtx[i]
+                for j, xj in enumerate(x):
+                    row[j] = decay * row[j] + xi * xj
+                self._xty[i] = decay * self._xty[i] + xi * step_time_s
         self._num_samples += 1
         if len(self._num_token_counts) < 2:
             self._num_token_counts.add(num_batched_tokens)
@@ -122,6 +134,32 @@ def _solve_ridge(xtx: list[list[float]], xty: list[float]) -> list[float]:
     A tiny ridge on the slopes (not the intercept) keeps the system solvable when every
     step had the same size, giving a flat fit instead of a division by zero.
     """
+    if len(xty) == 2:
+        return _solve_ridge_2(xtx, xty)
+    return _solve_ridge_any(xtx, xty)
+
+
+def _solve_ridge_2(xtx: list[list[float]], xty: list[float]) -> list[float]:
+    """`_solve_ridge_any` for two coefficients written out: the same operations in the
+    same order, so the same bits (a fit is solved again after every observed step)."""
+    top = [xtx[0][0], xtx[0][1], xty[0]]
+    low = [xtx[1][0], xtx[1][1], xty[1]]
+    low[1] += 1e-9 * max(1.0, low[1])
+    if abs(low[0]) > abs(top[0]):  # max() keeps the first row on a tie
+        top, low = low, top
+    if abs(top[0]) < 1e-300:
+        return [0.0, 0.0]
+    f = low[0] / top[0]
+    low1 = low[1] - f * top[1]
+    low2 = low[2] - f * top[2]
+    if abs(low1) < 1e-300:
+        return [0.0, 0.0]
+    coef1 = (low2 - 0) / low1
+    coef0 = (top[2] - (0 + top[1] * coef1)) / top[0]
+    return [coef0, coef1]
+
+
+def _solve_ridge_any(xtx: list[list[float]], xty: list[float]) -> list[float]:
     k = len(xty)
     m = [[*row, xty[i]] for i, row in enumerate(xtx)]
     for i in range(1, k):
