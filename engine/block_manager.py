@@ -25,7 +25,7 @@ from engine.request import Request, RequestStatus
 _ROOT_HASH = 0
 
 
-@dataclass
+@dataclass(slots=True)  # one per KV block: a fleet simulation holds millions
 class _Block:
     block_id: int
     ref_count: int = 0
@@ -211,6 +211,8 @@ class BlockManager:
 
     def num_free_blocks_after_release(self, requests: Iterable[Request]) -> int:
         """`num_free_blocks` as it would be once `requests` were freed."""
+        if isinstance(requests, list | tuple) and not requests:
+            return self.num_free_blocks  # the common question: nobody released
         counts = Counter(b for r in requests for b in r.block_ids)
         released = sum(1 for b, n in counts.items() if self._blocks[b].ref_count == n)
         return self.num_free_blocks + released
