@@ -69,6 +69,7 @@ from scheduler.sim.fidelity import (  # noqa: E402
     format_table,
     outcome_of,
     read_trace,
+    request_path_in_service,
     request_timing,
     sim_requests,
     step_fits,
@@ -175,6 +176,7 @@ def _record_steps(llm: Any, log: Any) -> None:
 
     schedule, step = llm.scheduler.schedule, llm.step
     plans = []
+    seen: set[str] = set()
 
     def recording_schedule():  # type: ignore[no-untyped-def]
         plan = schedule()
@@ -187,9 +189,18 @@ def _record_steps(llm: Any, log: Any) -> None:
         outputs = step()
         ended = time.perf_counter()
         if plans and not plans[-1].is_empty:
-            shape = plan_shape(plans[-1].chunks)
-            decodes = sum(1 for c in plans[-1].chunks if c.is_decode)
-            logged = LoggedStep(started, ended, shape, decodes, llm.has_unfinished())
+            chunks = plans[-1].chunks
+            shape = plan_shape(chunks)
+            decodes = sum(1 for c in chunks if c.is_decode)
+            new = tuple(c.request.request_id for c in chunks if c.request.request_id not in seen)
+            seen.update(new)
+            first = tuple(
+                c.request.request_id
+                for c in chunks
+                if c.produces_token and len(c.request.output_token_ids) == 1
+            )
+            busy = llm.has_unfinished()
+            logged = LoggedStep(started, ended, shape, decodes, busy, new, first)
             log.write(json.dumps(logged.to_row()) + "\n")
         return outputs
 
@@ -313,6 +324,8 @@ def rate_for_load(
 class _Sent:
     outcome: Outcome
     lag_s: float  # how late the request left, against its trace time
+    sent_s: float = 0.0  # perf_counter
+    server_id: str = ""  # x-request-id: the engine's id of the request
 
 
 def _prompt(request: TraceRequest, text_ids: list[int], seed: int) -> list[int]:
@@ -345,6 +358,10 @@ async def _send(port: int, request: TraceRequest, key: str, payload: bytes, t0: 
     try:
         head = await reader.readuntil(b"\r\n\r\n")
         status = int(head.split(b" ", 2)[1])
+        server_id = ""
+        for line in head.split(b"\r\n"):
+            if line.lower().startswith(b"x-request-id:"):
+                server_id = line.split(b":", 1)[1].strip().decode()
         if status != 200:
             body = await reader.read()
             code = f"http_{status}"
@@ -394,6 +411,8 @@ async def _send(port: int, request: TraceRequest, key: str, payload: bytes, t0: 
             token_times[-1] - t0,
         ),
         lag,
+        sent,
+        server_id,
     )
 
 
@@ -474,7 +493,8 @@ class Calibration:
 
 @dataclass
 class RunResult:
-    path: RequestPath
+    idle_path: RequestPath
+    path: RequestPath  # in service, added to every simulated request
     rate_per_s: float
     trace: list[TraceRequest]
     real: Summary
@@ -611,10 +631,21 @@ def run_once(args: argparse.Namespace, index: int, out: Path) -> RunResult:
             # 3a. a calibration replay: another draw of the same workload, its step
             # cycles in service fitted (the "serving" calibration)
             cal_spec = replace(spec, seed=seed + 1, duration_s=args.calibration_duration)
-            asyncio.run(replay(port, trace_of(generate(cal_spec)), keys, text_ids, seed + 1))
+            cal_sent = asyncio.run(
+                replay(port, trace_of(generate(cal_spec)), keys, text_ids, seed + 1)
+            )
             time.sleep(0.5)  # the last steps' log lines
             calibration_steps = _read_steps(step_log)
             serving = _serving_calibration(calibration_steps, measured.params)
+            # The request path as it was in that replay (the idle probe's is shorter).
+            loaded_path = request_path_in_service(
+                [
+                    (s.server_id, s.sent_s, s.sent_s + s.outcome.ttft_s)
+                    for s in cal_sent
+                    if s.outcome.ttft_s is not None
+                ],
+                calibration_steps,
+            )
             # 3b. the measured replay
             sent = asyncio.run(replay(port, trace, keys, text_ids, seed))
             time.sleep(0.5)
@@ -629,9 +660,10 @@ def run_once(args: argparse.Namespace, index: int, out: Path) -> RunResult:
     same_run = _serving_calibration(steps, measured.params, "serving, same run")
     calibrations = {c.source: c for c in (measured, serving, same_run)}
     # 4. the simulator, same trace, once per calibration
-    sims = {name: _simulate(spec, trace, c, path, args) for name, c in calibrations.items()}
+    sims = {name: _simulate(spec, trace, c, loaded_path, args) for name, c in calibrations.items()}
     return RunResult(
         path,
+        loaded_path,
         rate,
         trace,
         real,
@@ -654,8 +686,10 @@ def _report(run: RunResult, index: int) -> str:
         f"load generator lateness: p99 {run.lag_p99_ms:.1f} ms, max {run.lag_max_ms:.1f} ms; "
         f"1-min load average {run.load_avg[0]:.2f} before, {run.load_avg[1]:.2f} after; "
         f"{run.wall_s:.0f} s wall",
-        f"request path on the idle server (added to every simulated request): "
-        f"{run.path.ingress_s * 1000:.2f} ms in, {run.path.egress_s * 1000:.2f} ms out",
+        f"request path: {run.idle_path.ingress_s * 1000:.2f} ms in, "
+        f"{run.idle_path.egress_s * 1000:.2f} ms out on the idle server; "
+        f"{run.path.ingress_s * 1000:.2f} ms in, {run.path.egress_s * 1000:.2f} ms out in the "
+        "calibration replay (added to every simulated request)",
         "",
     ]
     for name, cal in run.calibrations.items():
@@ -696,6 +730,10 @@ def _as_json(run: RunResult) -> dict[str, Any]:
     return {
         "rate_per_s": run.rate_per_s,
         "request_path_s": {"ingress": run.path.ingress_s, "egress": run.path.egress_s},
+        "idle_request_path_s": {
+            "ingress": run.idle_path.ingress_s,
+            "egress": run.idle_path.egress_s,
+        },
         "num_requests": len(run.trace),
         "lag_p99_ms": run.lag_p99_ms,
         "lag_max_ms": run.lag_max_ms,

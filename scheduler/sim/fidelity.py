@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -370,19 +371,23 @@ def _statuses(statuses: dict[str, int]) -> str:
 @dataclass(frozen=True)
 class LoggedStep:
     """One step of a serving engine: when it ran (perf_counter seconds), its shape, how
-    many of its chunks were decodes, and whether work was left when it ended."""
+    many of its chunks were decodes, whether work was left when it ended, and which
+    requests it ran for the first time and which it gave their first token."""
 
     start_s: float
     end_s: float
     shape: StepShape
     num_decodes: int
     is_busy_after: bool
+    started_ids: tuple[str, ...] = ()
+    first_token_ids: tuple[str, ...] = ()
 
     @classmethod
     def from_row(cls, row: Sequence[Any]) -> LoggedStep:
-        start, end, tokens, kv, pairs, seqs, decodes, busy = row
+        start, end, tokens, kv, pairs, seqs, decodes, busy, *ids = row
         shape = StepShape(int(tokens), int(kv), pairs, int(seqs))
-        return cls(float(start), float(end), shape, int(decodes), bool(busy))
+        started, first = (tuple(ids[0]), tuple(ids[1])) if ids else ((), ())
+        return cls(float(start), float(end), shape, int(decodes), bool(busy), started, first)
 
     def to_row(self) -> list[Any]:
         s = self.shape
@@ -395,7 +400,27 @@ class LoggedStep:
             s.num_seqs,
             self.num_decodes,
             self.is_busy_after,
+            list(self.started_ids),
+            list(self.first_token_ids),
         ]
+
+
+def request_path_in_service(
+    requests: Iterable[tuple[str, float, float]], steps: Sequence[LoggedStep]
+) -> RequestPath:
+    """The request path as it was under load: (server request id, send, first token at
+    the client) of each request, matched by id to the step that first ran it and the
+    step that made its first token (same monotonic clock); the medians."""
+    started = {i: s.start_s for s in steps for i in s.started_ids}
+    produced = {i: s.end_s for s in steps for i in s.first_token_ids}
+    ingress, egress = [], []
+    for request_id, sent_s, first_s in requests:
+        if request_id in started and request_id in produced:
+            ingress.append(started[request_id] - sent_s)
+            egress.append(first_s - produced[request_id])
+    if not ingress:
+        return RequestPath()
+    return RequestPath(statistics.median(ingress), statistics.median(egress))
 
 
 def _cycles(steps: Sequence[LoggedStep]) -> list[tuple[LoggedStep, float]]:

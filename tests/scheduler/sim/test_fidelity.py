@@ -19,6 +19,7 @@ from scheduler.sim.fidelity import (
     format_table,
     outcome_of,
     read_trace,
+    request_path_in_service,
     request_timing,
     sim_requests,
     step_fits,
@@ -241,3 +242,18 @@ def test_a_short_trace_through_the_real_server_and_the_simulator(tmp_path) -> No
         assert o.ttft_s > 0
     steps = [LoggedStep.from_row(json.loads(line)) for line in step_log.read_text().splitlines()]
     assert sum(s.shape.num_batched_tokens for s in steps) >= sum(r.num_prompt_tokens for r in trace)
+
+
+def test_request_path_in_service_matches_requests_to_their_steps_by_id() -> None:
+    steps = [
+        LoggedStep(1.000, 1.020, StepShape(64, 64, 2080.0, 1), 0, True, ("a",), ("a",)),
+        LoggedStep(1.021, 1.030, StepShape(33, 97, 600.0, 2), 1, True, ("b",), ()),
+        LoggedStep(1.031, 1.040, StepShape(2, 99, 99.0, 2), 2, True, (), ("b",)),
+    ]
+    requests = [("a", 0.990, 1.024), ("b", 1.015, 1.046), ("lost", 1.0, 1.1)]
+    path = request_path_in_service(requests, steps)
+    # a: 10 ms in, 4 ms out; b: 6 ms in, 6 ms out; medians of the two.
+    assert path.ingress_s == pytest.approx(0.008)
+    assert path.egress_s == pytest.approx(0.005)
+    assert LoggedStep.from_row(steps[1].to_row()) == steps[1]
+    assert request_path_in_service([], steps) == RequestPath()
