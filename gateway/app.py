@@ -210,6 +210,8 @@ async def _build_router(
     monitor.start()
     stack.push_async_callback(monitor.aclose)
     telemetry.watch_queue(queue_depth_probe(monitor))
+    if dispatcher is None:  # the workers are other processes: show what they report
+        telemetry.watch_workers(monitor.workers)
     tier_watch = asyncio.create_task(keep_tiers_fresh(telemetry, tiers.all), name="tier-slos")
     stack.push_async_callback(stop_task, tier_watch)
 

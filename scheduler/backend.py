@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from scheduler.job import Job
 from scheduler.policy import TierConfig
@@ -149,6 +149,28 @@ class WorkerReport:
     kv_cache_usage: float | None = None  # share of KV-cache blocks in use
     unprefilled_tokens_by_rank: Mapping[int, int] = field(default_factory=dict)
     decode_tokens_by_rank: Mapping[int, int] = field(default_factory=dict)
+    step_token_budget: int | None = None
+    num_preemptions: int | None = None  # since the worker started
+    num_recomputed_tokens: int | None = None  # since the worker started
+
+
+# The operator-facing fields of a worker's report (WorkerReport), with their types.
+WORKER_DETAIL_TYPES: dict[str, type] = {
+    "num_running": int,
+    "num_waiting": int,
+    "kv_cache_usage": float,
+    "step_token_budget": int,
+    "num_preemptions": int,
+    "num_recomputed_tokens": int,
+}
+
+
+def worker_details(**values: Any) -> dict[str, Any]:
+    """Those fields from `values` as their types; None where the worker did not say."""
+    return {
+        name: None if values.get(name) is None else kind(values[name])
+        for name, kind in WORKER_DETAIL_TYPES.items()
+    }
 
 
 def add_by_rank(total: dict[int, int], part: Mapping[int, int]) -> dict[int, int]:
@@ -256,11 +278,15 @@ class QueueBackend(Protocol):
         num_running: int | None = None,
         num_waiting: int | None = None,
         kv_cache_usage: float | None = None,
+        step_token_budget: int | None = None,
+        num_preemptions: int | None = None,
+        num_recomputed_tokens: int | None = None,
     ) -> None:
         """A worker's measured rates and its engine's backlog per rank (EngineStats);
         they count for ttl_ms (publish again to stay live). A report replaces the
-        worker's previous one, backlog included. The sequence counts and KV-cache use
-        are shown to operators (`worker_reports`), not used by admission."""
+        worker's previous one, backlog included. The sequence counts, KV-cache use, step
+        budget and preemption counters are shown to operators (`worker_reports`, the
+        gateways' metrics and dashboard), not used by admission."""
         ...
 
     async def fleet_capacity(self) -> FleetCapacity: ...

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.request import Priority, SamplingParams
-from scheduler.backend import BackendUnavailableError, QueueBackend
+from scheduler.backend import WORKER_DETAIL_TYPES, BackendUnavailableError, QueueBackend
 from scheduler.job import Job
 from scheduler.results import ENGINE_ERROR, INVALID_REQUEST
 
@@ -194,9 +194,7 @@ class Dispatcher:
             ttl_ms=self._config.capacity_ttl_ms,
             unprefilled_tokens_by_rank=getattr(snapshot, "unprefilled_tokens_by_rank", None),
             decode_tokens_by_rank=getattr(snapshot, "decode_tokens_by_rank", None),
-            num_running=getattr(snapshot, "num_running", None),
-            num_waiting=getattr(snapshot, "num_waiting", None),
-            kv_cache_usage=getattr(snapshot, "kv_cache_usage", None),
+            **{name: getattr(snapshot, name, None) for name in WORKER_DETAIL_TYPES},
         )
 
     # ----------------------------------------------------------------- leasing

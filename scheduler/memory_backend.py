@@ -14,6 +14,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from scheduler import policy
 from scheduler.backend import (
@@ -31,6 +32,7 @@ from scheduler.backend import (
     WorkAhead,
     WorkerReport,
     add_by_rank,
+    worker_details,
 )
 from scheduler.job import Job
 from scheduler.policy import PolicyConfig, TierConfig
@@ -168,7 +170,8 @@ class MemoryBackend:
         self._fleet: FleetCapacity | None = None
         self._next_lapse_ms: float = math.inf
         # What worker_reports shows of each report: published at ms, operator fields.
-        self._worker_details: dict[str, tuple[int, int | None, int | None, float | None]] = {}
+        # worker id -> (published at ms, WorkerReport fields shown to operators)
+        self._worker_details: dict[str, tuple[int, dict[str, Any]]] = {}
         self._configure(tiers)
 
     # -- tiers -------------------------------------------------------------------------
@@ -501,12 +504,20 @@ class MemoryBackend:
         num_running: int | None = None,
         num_waiting: int | None = None,
         kv_cache_usage: float | None = None,
+        step_token_budget: int | None = None,
+        num_preemptions: int | None = None,
+        num_recomputed_tokens: int | None = None,
     ) -> None:
         self._worker_details[worker_id] = (
             self._clock_ms(),
-            None if num_running is None else int(num_running),
-            None if num_waiting is None else int(num_waiting),
-            None if kv_cache_usage is None else float(kv_cache_usage),
+            worker_details(
+                num_running=num_running,
+                num_waiting=num_waiting,
+                kv_cache_usage=kv_cache_usage,
+                step_token_budget=step_token_budget,
+                num_preemptions=num_preemptions,
+                num_recomputed_tokens=num_recomputed_tokens,
+            ),
         )
         report = FleetCapacity(
             1,
@@ -555,18 +566,16 @@ class MemoryBackend:
         self._drop_lapsed_workers(now_ms)
         reports = []
         for worker_id, (_, report) in sorted(self._workers.items()):
-            published_ms, running, waiting, kv_usage = self._worker_details[worker_id]
+            published_ms, details = self._worker_details[worker_id]
             reports.append(
                 WorkerReport(
                     worker_id,
                     max(0, now_ms - published_ms),
                     report.prefill_tokens_per_s,
                     report.decode_tokens_per_s,
-                    running,
-                    waiting,
-                    kv_usage,
-                    dict(report.unprefilled_tokens_by_rank),
-                    dict(report.decode_tokens_by_rank),
+                    unprefilled_tokens_by_rank=dict(report.unprefilled_tokens_by_rank),
+                    decode_tokens_by_rank=dict(report.decode_tokens_by_rank),
+                    **details,
                 )
             )
         return reports

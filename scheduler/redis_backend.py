@@ -26,6 +26,7 @@ import redis.exceptions
 from scheduler import policy
 from scheduler.backend import (
     START_CURSOR,
+    WORKER_DETAIL_TYPES,
     BackendUnavailableError,
     DuplicateJobError,
     EventKind,
@@ -39,6 +40,7 @@ from scheduler.backend import (
     WorkAhead,
     WorkerReport,
     add_by_rank,
+    worker_details,
 )
 from scheduler.job import Job
 from scheduler.keys import KeySpace, lua_key_table
@@ -126,7 +128,7 @@ _CAPACITY_FIELDS = (
 
 # Further fields of a `cap:<worker>` hash, read only by worker_reports (an operator's
 # view); "" stands for a value the worker did not report.
-_WORKER_DETAIL_FIELDS = ("reported_at_ms", "num_running", "num_waiting", "kv_cache_usage")
+_WORKER_DETAIL_FIELDS = ("reported_at_ms", *WORKER_DETAIL_TYPES)
 
 
 def _optional(value: float | None) -> str:
@@ -362,9 +364,20 @@ class RedisBackend:
         num_running: int | None = None,
         num_waiting: int | None = None,
         kv_cache_usage: float | None = None,
+        step_token_budget: int | None = None,
+        num_preemptions: int | None = None,
+        num_recomputed_tokens: int | None = None,
     ) -> None:
         k = self._keys
         now_ms = self._clock_ms()
+        details = worker_details(
+            num_running=num_running,
+            num_waiting=num_waiting,
+            kv_cache_usage=kv_cache_usage,
+            step_token_budget=step_token_budget,
+            num_preemptions=num_preemptions,
+            num_recomputed_tokens=num_recomputed_tokens,
+        )
         with unavailable_as_error():
             async with self._redis.pipeline(transaction=True) as pipe:
                 pipe.hset(
@@ -376,11 +389,7 @@ class RedisBackend:
                         "unprefilled_tokens_by_rank": _rank_json(unprefilled_tokens_by_rank),
                         "decode_tokens_by_rank": _rank_json(decode_tokens_by_rank),
                         "reported_at_ms": now_ms,
-                        "num_running": _optional(None if num_running is None else int(num_running)),
-                        "num_waiting": _optional(None if num_waiting is None else int(num_waiting)),
-                        "kv_cache_usage": _optional(
-                            None if kv_cache_usage is None else float(kv_cache_usage)
-                        ),
+                        **{name: _optional(value) for name, value in details.items()},
                     },
                 )
                 pipe.pexpire(k.capacity(worker_id), ttl_ms)
@@ -422,9 +431,14 @@ class RedisBackend:
                 rows = await pipe.execute()
         reports = []
         for worker_id, row in zip(workers, rows, strict=True):
-            prefill, decode, unprefilled_json, decode_json, at_ms, running, waiting, kv = row
+            prefill, decode, unprefilled_json, decode_json, at_ms, *detail_values = row
             if prefill is None:  # the hash expired between the two reads
                 continue
+            # A field a worker did not report (or an older worker) reads back empty.
+            said = {
+                name: value or None
+                for name, value in zip(WORKER_DETAIL_TYPES, detail_values, strict=True)
+            }
             reports.append(
                 WorkerReport(
                     worker_id,
@@ -432,11 +446,9 @@ class RedisBackend:
                     max(0, now_ms - int(at_ms)) if at_ms else 0,
                     float(prefill),
                     float(decode),
-                    int(running) if running else None,
-                    int(waiting) if waiting else None,
-                    float(kv) if kv else None,
-                    _rank_map(unprefilled_json),
-                    _rank_map(decode_json),
+                    unprefilled_tokens_by_rank=_rank_map(unprefilled_json),
+                    decode_tokens_by_rank=_rank_map(decode_json),
+                    **worker_details(**said),
                 )
             )
         return reports

@@ -42,6 +42,9 @@ def worker_view(report: WorkerReport) -> dict:
         "num_running": report.num_running,
         "num_waiting": report.num_waiting,
         "kv_cache_usage": report.kv_cache_usage,
+        "step_token_budget": report.step_token_budget,
+        "num_preemptions": report.num_preemptions,
+        "num_recomputed_tokens": report.num_recomputed_tokens,
         "backlog_prefill_tokens": sum(report.unprefilled_tokens_by_rank.values()),
         "backlog_decode_tokens": sum(report.decode_tokens_by_rank.values()),
     }
@@ -95,16 +98,23 @@ def queue_routes(backend: QueueBackend, admin_token: str) -> list[BaseRoute]:
 
 
 class QueueMonitor:
-    """Queued jobs per tier, refreshed every `interval_s` for synchronous readers."""
+    """Queued jobs per tier and the live workers' reports, refreshed every `interval_s`
+    for synchronous readers (metric callbacks, the dashboard's snapshot)."""
 
     def __init__(self, backend: QueueBackend, *, interval_s: float = 1.0) -> None:
         self._backend = backend
         self._interval_s = interval_s
         self._depth: dict[str, int] = {}
+        self._workers: dict[str, WorkerReport] = {}
         self._task: asyncio.Task[None] | None = None
 
     def depth_by_tier(self) -> Mapping[str, int]:
         return dict(self._depth)
+
+    def workers(self) -> Mapping[str, WorkerReport]:
+        """Worker id -> latest report: on a gateway without an engine of its own, the
+        workers its metrics and dashboard show."""
+        return dict(self._workers)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="queue-monitor")
@@ -112,10 +122,13 @@ class QueueMonitor:
     async def _run(self) -> None:
         while True:
             try:
-                depth = await self._backend.depth()
+                depth, reports = await asyncio.gather(
+                    self._backend.depth(), self._backend.worker_reports()
+                )
                 self._depth = {tier: d.num_jobs for tier, d in depth.items()}
+                self._workers = {report.worker_id: report for report in reports}
             except Exception as exc:  # the queue may be down; keep the last snapshot
-                log.debug("queue depth unavailable: %r", exc)
+                log.debug("queue state unavailable: %r", exc)
             await asyncio.sleep(self._interval_s)
 
     async def aclose(self) -> None:

@@ -19,6 +19,9 @@ WORKER_FIELDS = {
     "num_running",
     "num_waiting",
     "kv_cache_usage",
+    "step_token_budget",
+    "num_preemptions",
+    "num_recomputed_tokens",
     "backlog_prefill_tokens",
     "backlog_decode_tokens",
 }
@@ -45,6 +48,8 @@ def test_queues_list_the_worker_of_an_idle_server(live_server: LiveServer) -> No
     assert 0 <= worker["heartbeat_age_ms"] < 5_000
     assert 0.0 <= worker["kv_cache_usage"] <= 1.0
     assert (worker["num_running"], worker["num_waiting"]) == (0, 0)  # nothing sent yet
+    assert worker["step_token_budget"] > 0
+    assert (worker["num_preemptions"], worker["num_recomputed_tokens"]) == (0, 0)
     assert (worker["backlog_prefill_tokens"], worker["backlog_decode_tokens"]) == (0, 0)
 
 

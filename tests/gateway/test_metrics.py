@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import httpx
@@ -201,3 +202,77 @@ def test_json_logs_carry_the_request_and_trace_ids() -> None:
     assert line["request_id"] == "req_abc"
     assert line["trace_id"] == "0af7651916cd43dd8448eb211c80319c"
     assert line["depth"] == 7
+
+
+def test_a_gateway_without_an_engine_shows_the_workers_reports(
+    redis_url: str, redis_prefix: str, tmp_path
+) -> None:
+    """`tiergate gateway` runs no engine: its metrics and dashboard show the workers'
+    reports, which reach it through the shared queue."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from scheduler.keys import KeySpace
+    from scheduler.redis_backend import RedisBackend
+
+    async def report() -> None:
+        client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+        try:
+            await RedisBackend(client, keys=KeySpace(redis_prefix)).publish_capacity(
+                "gpu-7",
+                prefill_tokens_per_s=4000.0,
+                decode_tokens_per_s=300.0,
+                ttl_ms=60_000,
+                num_running=5,
+                num_waiting=2,
+                kv_cache_usage=0.5,
+                step_token_budget=512,
+                num_preemptions=3,
+                num_recomputed_tokens=96,
+            )
+        finally:
+            await client.aclose()
+
+    settings = Settings(
+        data_dir=tmp_path,
+        admin_token="admin-token-for-workers",
+        redis_url=redis_url,
+        redis_prefix=redis_prefix,
+    )
+    server = ServerThread(build_app(settings, with_engine=False))
+    server.start()
+    try:
+        asyncio.run(report())
+        worker = frozenset({("worker", "gpu-7")})
+        expected = {
+            "tiergate_engine_running": 5,
+            "tiergate_engine_waiting": 2,
+            "tiergate_engine_kv_cache_utilization": 0.5,
+            "tiergate_engine_step_token_budget": 512,
+            "tiergate_engine_preemptions_total": 3,
+            "tiergate_engine_recomputed_tokens_total": 96,
+        }
+        deadline = time.monotonic() + 10  # the gateway reads the reports every second
+        while True:
+            samples = scrape(LiveServerUrl(f"http://127.0.0.1:{server.port}"))
+            got = {name: samples.get((name, worker)) for name in expected}
+            if got == expected or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert got == expected
+        live = httpx.get(
+            f"http://127.0.0.1:{server.port}/admin/ui/api/live",
+            headers={"authorization": f"Bearer {settings.admin_token}"},
+        ).json()
+        [shown] = live["workers"]
+        assert shown["id"] == "gpu-7"
+        assert shown["kv_cache_usage"] == 0.5
+        assert shown["num_running"] == 5
+    finally:
+        server.stop()
+
+
+class LiveServerUrl:
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url

@@ -18,6 +18,9 @@ async def test_reports_of_live_workers_by_id(backend, clock) -> None:
         num_running=3,
         num_waiting=1,
         kv_cache_usage=0.25,
+        step_token_budget=256,
+        num_preemptions=2,
+        num_recomputed_tokens=0,
     )
     clock.advance(1_200)
     # A worker that reports only its rates (an older worker, or a simulated one).
@@ -27,7 +30,7 @@ async def test_reports_of_live_workers_by_id(backend, clock) -> None:
     clock.advance(300)
     assert await backend.worker_reports() == [
         WorkerReport("w1", 300, 1000.0, 100.0),
-        WorkerReport("w2", 1_500, 500.0, 50.0, 3, 1, 0.25, {0: 30, 2: 400}, {2: 64}),
+        WorkerReport("w2", 1_500, 500.0, 50.0, 3, 1, 0.25, {0: 30, 2: 400}, {2: 64}, 256, 2, 0),
     ]
 
 
