@@ -227,6 +227,11 @@ class StepScheduler:
             decode[rank] = decode.get(rank, 0) + left
         return RankBacklog(unprefilled, decode)
 
+    def decode_limit(self) -> int | None:
+        """How many decodes the next step may hold (the TPOT-keeping limit that pauses
+        throughput decodes), or None when nothing limits them. Read-only."""
+        return self._max_decode_seqs(_Step())
+
     def get(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
 
