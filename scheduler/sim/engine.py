@@ -9,6 +9,7 @@ ones, so the TPOT-keeping prefill budget behaves as in production.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -107,6 +108,9 @@ class SimEngine:
         # apply_decode_run) when all of them then decode; None when unknown. Saves
         # plan_decode_run its own pass; anything that changes the scheduler clears it.
         self._decode_summary: tuple[int, int] | None = None
+        # The tightest TPOT SLO of any request this engine was given: the step scheduler
+        # can pause decodes only when a step would break the tightest running one.
+        self._min_tpot_slo_ms = math.inf
         self.is_stepping = False
         self.num_steps = 0
         self.busy_s = 0.0
@@ -164,6 +168,8 @@ class SimEngine:
         )
         self._decode_summary = None
         self.scheduler.add(request)
+        if tpot_slo_ms is not None and tpot_slo_ms < self._min_tpot_slo_ms:
+            self._min_tpot_slo_ms = tpot_slo_ms
         return request
 
     def start_step(self) -> float | None:
@@ -267,7 +273,7 @@ class SimEngine:
     # allocated, same computed tokens, same appended tokens, same cost-model samples).
     # The fleet cuts a run short when a job arrives that this engine would have pulled.
 
-    def plan_decode_run(self, *, min_steps: int = 2) -> list[float] | None:
+    def plan_decode_run(self, *, min_steps: int = 1) -> list[float] | None:
         """Cumulative end offsets (s) of the steps of a pure-decode run, or None when
         the next step is not a plain decode of every running request."""
         scheduler = self.scheduler
@@ -279,6 +285,8 @@ class SimEngine:
             return None
         num_steps, kv = shape
         if num_steps < min_steps:
+            return None
+        if self._may_pause_decodes(len(running)):
             return None
         num_steps = self._steps_that_fit(running, num_steps)
         if num_steps < min_steps:
@@ -302,6 +310,26 @@ class SimEngine:
             offsets.append(elapsed)
             kv += n
         return offsets
+
+    def _may_pause_decodes(self, num_running: int) -> bool:
+        """Whether the next step's scheduler would pause some decodes to keep a TPOT SLO
+        (then it is no plain decode of everyone). The exact answer is asked only when the
+        cost model's prediction for this batch comes near the tightest SLO any request
+        of this engine had; the scheduler pauses nothing below that.
+
+        The answer holds for the run's first step; the run's own steps then refine the
+        cost model, which could move the limit within a run (a prediction that far below
+        the SLO, as on the H200 preset, does not move that much in a run's few steps).
+        """
+        model = self.cost_model
+        if model is None or not model.is_ready or math.isinf(self._min_tpot_slo_ms):
+            return False
+        config = self.scheduler.config
+        floor_s = self._min_tpot_slo_ms / 1000.0 * config.tpot_slo_share
+        if model.predict(num_running + config.min_prefill_tokens, num_running + 1) <= floor_s:
+            return False
+        limit = self.scheduler.decode_limit()
+        return limit is not None and limit < num_running
 
     @staticmethod
     def _decode_shape(running: Sequence[Request]) -> tuple[int, int] | None:

@@ -147,6 +147,13 @@ class _DecodeRun:
     # waiting, blocks are taken when the run is applied), so it is asked once.
     accepts: bool | None = None
 
+    @property
+    def is_single_step(self) -> bool:
+        """A run of one step stands for one ordinary step, which is never cut (the
+        engine pulls at its end anyway); cutting it would change which engine's run a
+        queued job cuts."""
+        return len(self.offsets) == 1
+
 
 @dataclass(eq=False)
 class _InFlight:
@@ -379,6 +386,8 @@ class _Fleet:
         boundary first, on an engine with room, ends there so the engine pulls it."""
         best: tuple[float, int, int] | None = None
         for index, run in self.runs.items():
+            if run.is_single_step:
+                continue
             if run.accepts is None:
                 run.accepts = self.engines[index].can_accept()
             if not run.accepts:

@@ -170,3 +170,43 @@ def test_fast_forward_reports_a_first_token_made_by_a_one_token_prefill_chunk() 
     assert exact.first_token_s is not None
     assert fast.first_token_s == pytest.approx(exact.first_token_s, abs=1e-12)
     assert fast.finish_s == pytest.approx(exact.finish_s, abs=1e-12)
+
+
+def test_fast_forward_keeps_the_decode_pauses_of_a_tight_tpot_slo() -> None:
+    # An 8 ms TPOT SLO on an H200 makes the step scheduler pause batch decodes once the
+    # batch grows; such a step is no plain decode of everyone, so no run may stand for
+    # it (before, runs decoded everyone and 73 of these requests moved).
+    tiers = (
+        TierSpec(
+            "fast",
+            0,
+            ttft_slo_ms=2000,
+            tpot_slo_ms=8,
+            prompt_len=LengthDist("fixed", mean=200),
+            output_len=LengthDist("uniform", low=20, high=200),
+        ),
+        TierSpec(
+            "batch",
+            1,
+            preemptible=True,
+            prompt_len=LengthDist("fixed", mean=300),
+            output_len=LengthDist("uniform", low=50, high=400),
+        ),
+    )
+    tenants = (TenantSpec("a", "fast"), TenantSpec("b", "batch", load_share=3.0))
+    spec = WorkloadSpec(tiers, tenants, rate_per_s=8, duration_s=10, seed=1)
+    runs = [
+        simulate(
+            spec,
+            "tiered",
+            FleetSpec(H200, 1),
+            SimOptions(keep_records=True, fast_forward=ff, rate_limits=False),
+        )
+        for ff in (False, True)
+    ]
+    exact, fast = ({r.request.request_id: r for r in run.collector.records} for run in runs)
+    assert exact.keys() == fast.keys()
+    for request_id, record in exact.items():
+        assert fast[request_id].first_token_s == pytest.approx(record.first_token_s, abs=1e-9)
+        assert fast[request_id].finish_s == pytest.approx(record.finish_s, abs=1e-9)
+    assert runs[0].stats.num_steps == runs[1].stats.num_steps
