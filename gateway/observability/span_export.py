@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 MAX_DATAGRAM_BYTES = 60_000  # well under the socket buffer; a bigger batch is split
 SOCKET_BUFFER_BYTES = 4 * 2**20
+DROP_WARNING_INTERVAL_S = 10.0
 _END = b"end"  # the gateway's last datagram: export what is left, then exit
 _CHILD = "import sys; from gateway.observability.span_export import main; sys.exit(main())"
 
@@ -65,6 +66,7 @@ class ProcessSpanSink:
         self.schedule_delay_s = _float_env(environ, "OTEL_BSP_SCHEDULE_DELAY", 1000) / 1000
         self.batch_size = int(_float_env(environ, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512))
         self.num_dropped = 0
+        self._warned_at_s = float("-inf")
         self._pending: list[SpanRecord] = []
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -115,7 +117,10 @@ class ProcessSpanSink:
             return
         if not self._send(data):
             self.num_dropped += len(batch)
-            log.warning("span export is behind: dropped %d spans", len(batch))
+            now_s = time.monotonic()
+            if now_s - self._warned_at_s >= DROP_WARNING_INTERVAL_S:  # a line, not a flood
+                self._warned_at_s = now_s
+                log.warning("span export is behind: %d spans dropped so far", self.num_dropped)
 
     def _send(self, data: bytes) -> bool:
         try:
