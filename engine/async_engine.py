@@ -9,6 +9,7 @@ so the event loop stays responsive while a step runs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
@@ -136,23 +137,17 @@ class AsyncEngine:
         iteration early (break, cancellation) aborts the request and frees its blocks.
         `resumed_token_ids`: see LLMEngine.add_request.
         """
-        request_id, stream = self._open(
-            prompt_token_ids, params, request_id, priority, resumed_token_ids
+        batches = self.generate_batches(
+            prompt_token_ids,
+            params,
+            request_id=request_id,
+            priority=priority,
+            resumed_token_ids=resumed_token_ids,
         )
-        is_done = False
-        try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    is_done = True
-                    raise item
-                is_done = item.finished
-                yield item
-                if is_done:
-                    return
-        finally:
-            if not is_done:
-                self.abort(request_id)
+        async with contextlib.aclosing(batches):  # leaving early aborts the request
+            async for batch in batches:
+                for output in batch:
+                    yield output
 
     async def generate_batches(
         self,

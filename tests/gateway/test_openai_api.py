@@ -212,6 +212,16 @@ def test_every_request_leaves_a_usage_record(live_server: LiveServer) -> None:
     assert rows[bad_id].outcome == "rejected:invalid_request_error"
 
 
+def _assert_engine_freed(live_server: LiveServer) -> None:
+    """The aborted request leaves the engine (within 5 s) and gives back every KV block."""
+    deadline = time.monotonic() + 5
+    while live_server.engine.stats().num_running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stats = live_server.engine.stats()
+    assert stats.num_running == 0
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
 def test_client_disconnect_aborts_and_frees_the_engine(live_server: LiveServer) -> None:
     headers = {"authorization": f"Bearer {live_server.keys['interactive']}"}
     body = {"model": MODEL, "prompt": "go", "max_tokens": 200, "stream": True, "temperature": 1}
@@ -223,12 +233,7 @@ def test_client_disconnect_aborts_and_frees_the_engine(live_server: LiveServer) 
     rows = _wait_for_usage(live_server.database_url, [request_id])
     assert rows[request_id].outcome == "aborted"
     assert rows[request_id].completion_tokens < 200
-    deadline = time.monotonic() + 5
-    while live_server.engine.stats().num_running and time.monotonic() < deadline:
-        time.sleep(0.05)
-    stats = live_server.engine.stats()
-    assert stats.num_running == 0
-    assert stats.num_free_blocks == stats.num_total_blocks
+    _assert_engine_freed(live_server)
 
 
 def _aborted_request_ids(database_url: str, tenant_id: str) -> set[str]:
@@ -274,12 +279,7 @@ def test_client_disconnect_aborts_a_non_streaming_request(live_server: LiveServe
             break
         time.sleep(0.1)
     assert len(aborted) == 1
-    deadline = time.monotonic() + 5
-    while live_server.engine.stats().num_running and time.monotonic() < deadline:
-        time.sleep(0.05)
-    stats = live_server.engine.stats()
-    assert stats.num_running == 0
-    assert stats.num_free_blocks == stats.num_total_blocks
+    _assert_engine_freed(live_server)
 
 
 def test_health_and_readiness(live_server: LiveServer) -> None:

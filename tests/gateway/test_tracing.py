@@ -70,6 +70,19 @@ class OtlpReceiver:
         return Response(body, media_type="application/x-protobuf")
 
 
+def _with_tenants(server: ServerThread, settings: Settings) -> LiveServer:
+    """The running server as a LiveServer, with the test tenants created through its
+    admin API."""
+    live = LiveServer(
+        base_url=f"http://127.0.0.1:{server.port}",
+        admin_token=settings.admin_token or "",
+        database_url=settings.db_url,
+        engine=None,
+    )
+    _create_tenants(live)
+    return live
+
+
 @pytest.fixture
 def receiver() -> Iterator[OtlpReceiver]:
     receiver = OtlpReceiver()
@@ -93,13 +106,7 @@ def test_each_request_exports_one_span_tree(
     server.start()
     with contextlib.ExitStack() as stack:
         stack.callback(server.stop)  # the lifespan shuts telemetry down: spans flush
-        live = LiveServer(
-            base_url=f"http://127.0.0.1:{server.port}",
-            admin_token=settings.admin_token or "",
-            database_url=settings.db_url,
-            engine=None,
-        )
-        _create_tenants(live)
+        live = _with_tenants(server, settings)
         client = stack.enter_context(live.client())
         parent_trace = "4bf92f3577b34da6a3ce929d0e0e4736"
         raw = client.chat.completions.with_raw_response.create(
@@ -186,13 +193,7 @@ def test_the_configured_sampler_decides_per_request(
             f"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-{traceparent_flags}"
         )
     try:
-        live = LiveServer(
-            base_url=f"http://127.0.0.1:{server.port}",
-            admin_token=settings.admin_token or "",
-            database_url=settings.db_url,
-            engine=None,
-        )
-        _create_tenants(live)
+        live = _with_tenants(server, settings)
         with live.client() as client:
             raw = client.completions.with_raw_response.create(
                 model=MODEL, prompt="sample me?", max_tokens=2, temperature=0, extra_headers=headers
