@@ -4,9 +4,10 @@ One `Telemetry` per app, built by the composition root from `TelemetryConfig`; i
 its own MeterProvider, TracerProvider and Prometheus registry (never the global ones),
 so two apps in one process do not mix their numbers.
 
-The request path reports each finished request once (`request_finished`): histograms
-record their samples, counts go to plain dicts that observable counters read when
-scraped, and the request's trace is completed. Everything
+The request path reports each finished request once (`request_finished`): latency
+samples go to plain-Python histograms (gateway.observability.histograms), counts to
+plain dicts that observable counters read when scraped, and the request's trace is
+completed. Everything
 else — queue depth, the engine's running/waiting sequences, KV utilisation, step token
 budget, preemptions, recomputed tokens, tokens/s — is read when scraped, by observable
 instruments over small probe functions the composition root hands in.
@@ -19,15 +20,20 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
-from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter, MeterProvider
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from prometheus_client import CollectorRegistry, generate_latest
 
 from gateway.observability.config import TelemetryConfig
+from gateway.observability.histograms import (
+    HistogramSpec,
+    PrometheusReaderWithHistograms,
+    TierHistograms,
+)
 from gateway.observability.slo import RecentOutcomes, SloTargets, is_slo_met, tpot_ms
 from gateway.observability.span_export import ProcessSpanSink
 from gateway.observability.tenant_labels import TenantLabels
@@ -45,6 +51,23 @@ log = logging.getLogger(__name__)
 LATENCY_BUCKETS_MS = (5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000)
 TPOT_BUCKETS_MS = (1, 2, 5, 10, 20, 35, 50, 75, 100, 200, 500, 1000)
 SLO_WINDOW_S = 300.0  # the attainment gauge looks back this far
+METER_NAME = "tiergate.gateway"
+
+# The per-tier latency histograms, by their index in HISTOGRAMS.
+TTFT, TPOT, QUEUE_WAIT, E2E = range(4)
+HISTOGRAMS = (
+    HistogramSpec(
+        "tiergate.ttft", "ms", "Time to first token (arrival to first token)", LATENCY_BUCKETS_MS
+    ),
+    HistogramSpec("tiergate.tpot", "ms", "Time per output token after the first", TPOT_BUCKETS_MS),
+    HistogramSpec(
+        "tiergate.queue_wait",
+        "ms",
+        "Time queued before a worker took the request",
+        LATENCY_BUCKETS_MS,
+    ),
+    HistogramSpec("tiergate.e2e", "ms", "Arrival to last byte", LATENCY_BUCKETS_MS),
+)
 
 # Probes: () -> {tier: queued jobs}; () -> {worker id: engine stats}.
 QueueProbe = Callable[[], Mapping[str, int]]
@@ -97,7 +120,7 @@ class Telemetry:
             "slo": {},
             "tokens": {},
         }
-        self._tier_attributes: dict[str, dict[str, str]] = {}
+        self._histograms = TierHistograms(HISTOGRAMS)
         if self.config.is_enabled:
             self._build_metrics()
         if self.config.is_tracing:
@@ -108,15 +131,20 @@ class Telemetry:
         return Resource.create({"service.name": self.config.service_name})
 
     def _build_metrics(self) -> None:
-        reader = PrometheusMetricReader(registry=self.registry, scope_info_enabled=False)
+        resource = self._resource()
+        reader = PrometheusReaderWithHistograms(
+            self._histograms,
+            resource,
+            InstrumentationScope(METER_NAME),
+            registry=self.registry,
+            scope_info_enabled=False,
+        )
         # No exemplars: the Prometheus text format has no place for them, and the default
         # filter looks up the current span on every histogram record.
         self._meter_provider = MeterProvider(
-            metric_readers=[reader],
-            resource=self._resource(),
-            exemplar_filter=AlwaysOffExemplarFilter(),
+            metric_readers=[reader], resource=resource, exemplar_filter=AlwaysOffExemplarFilter()
         )
-        meter = self._meter_provider.get_meter("tiergate.gateway")
+        meter = self._meter_provider.get_meter(METER_NAME)
         counters = {
             "requests": (
                 "tiergate.requests",
@@ -150,30 +178,6 @@ class Telemetry:
                 unit=unit,
                 description=description,
             )
-        self._ttft = meter.create_histogram(
-            "tiergate.ttft",
-            unit="ms",
-            description="Time to first token (arrival to first token)",
-            explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_MS,
-        )
-        self._tpot = meter.create_histogram(
-            "tiergate.tpot",
-            unit="ms",
-            description="Time per output token after the first",
-            explicit_bucket_boundaries_advisory=TPOT_BUCKETS_MS,
-        )
-        self._queue_wait = meter.create_histogram(
-            "tiergate.queue_wait",
-            unit="ms",
-            description="Time queued before a worker took the request",
-            explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_MS,
-        )
-        self._e2e = meter.create_histogram(
-            "tiergate.e2e",
-            unit="ms",
-            description="Arrival to last byte",
-            explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_MS,
-        )
         meter.create_observable_gauge(
             "tiergate.slo.attainment",
             callbacks=[self._observe_attainment],
@@ -319,9 +323,6 @@ class Telemetry:
                 refusal_code=refusal_code,
             )
         if self._meter_provider is not None:
-            tier = self._tier_attributes.get(record.tier)
-            if tier is None:
-                tier = self._tier_attributes.setdefault(record.tier, {"tier": record.tier})
             counts = self._counts
             tenant = self.tenant_labels.observe(record.tenant_id)
             kind = "rejected" if refusal_code is not None else outcome
@@ -334,14 +335,15 @@ class Telemetry:
                 _bump(counts["tokens"], (record.tier, "input"), record.prompt_tokens)
             if record.completion_tokens:
                 _bump(counts["tokens"], (record.tier, "output"), record.completion_tokens)
+            histograms = self._histograms
             if record.ttft_ms is not None:
-                self._ttft.record(record.ttft_ms, tier)
+                histograms.record(TTFT, record.tier, record.ttft_ms)
             if tpot is not None:
-                self._tpot.record(tpot, tier)
+                histograms.record(TPOT, record.tier, tpot)
             if record.queue_wait_ms is not None:
-                self._queue_wait.record(record.queue_wait_ms, tier)
+                histograms.record(QUEUE_WAIT, record.tier, record.queue_wait_ms)
             if refusal_code is None:
-                self._e2e.record(record.e2e_ms, tier)
+                histograms.record(E2E, record.tier, record.e2e_ms)
         trace = self._open_traces.get(record.request_id)
         if trace is not None:
             trace.attributes["tiergate.tier"] = record.tier
