@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import redis
@@ -44,6 +49,47 @@ def fleet_env(
         "TIERGATE_DATA_DIR": str(data_dir),
         **extra,
     }
+
+
+@dataclass(frozen=True)
+class FleetSetup:
+    """What the processes of one test fleet share."""
+
+    database_url: str
+    prefix: str
+    admin_token: str
+    env: dict[str, str]
+    logs: Path
+
+
+@contextlib.contextmanager
+def fleet_setup(
+    tmp_path_factory: Any, name: str, redis_url: str, **extra_env: str
+) -> Iterator[FleetSetup]:
+    """A fresh, migrated PostgreSQL database, a Redis key prefix and the shared
+    environment for a fleet named `name`; both are removed afterwards (stop the
+    fleet's processes first, inside the block)."""
+    from gateway.migrate import upgrade_to_head
+    from tests.conftest import _create_postgres_database, _drop_postgres_database
+
+    database_url = _create_postgres_database()
+    prefix = f"{{tg{name}-{uuid.uuid4().hex[:10]}}}:"
+    try:
+        upgrade_to_head(database_url)
+        logs = tmp_path_factory.mktemp(name)
+        admin_token = secrets.token_urlsafe(16)
+        env = fleet_env(
+            database_url=database_url,
+            redis_url=redis_url,
+            prefix=prefix,
+            admin_token=admin_token,
+            data_dir=logs,
+            **extra_env,
+        )
+        yield FleetSetup(database_url, prefix, admin_token, env, logs)
+    finally:
+        delete_redis_prefix(redis_url, prefix)
+        _drop_postgres_database(database_url)
 
 
 def free_port() -> int:

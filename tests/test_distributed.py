@@ -25,7 +25,6 @@ import secrets
 import signal
 import subprocess
 import time
-import uuid
 from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,11 +37,10 @@ import redis.asyncio as aioredis
 
 from scheduler.keys import KeySpace
 from scheduler.policy import PolicyConfig
-from tests.conftest import REDIS_URL, _create_postgres_database, _drop_postgres_database
+from tests.conftest import REDIS_URL
 from tests.fleet_processes import (
     ONE_THREAD,
-    delete_redis_prefix,
-    fleet_env,
+    fleet_setup,
     free_port,
     spawn_tiergate,
     stop_processes,
@@ -114,52 +112,38 @@ class Fleet:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory) -> Iterator[Fleet]:
-    from gateway.migrate import upgrade_to_head
-
-    database_url = _create_postgres_database()
-    upgrade_to_head(database_url)
-    logs = tmp_path_factory.mktemp("fleet")
-    prefix = f"{{tgfleet-{uuid.uuid4().hex[:10]}}}:"
-    admin_token = secrets.token_urlsafe(16)
-    env = fleet_env(
-        database_url=database_url,
-        redis_url=REDIS_URL,
-        prefix=prefix,
-        admin_token=admin_token,
-        data_dir=logs,
-    )
-    procs: list[subprocess.Popen] = []
-    fleet = Fleet([], admin_token, prefix)
-    try:
-        for name in ("w1", "w2"):
-            worker = spawn_tiergate(
-                [
-                    "worker",
-                    "--device=cpu",
-                    "--kv-cache-bytes=16777216",
-                    f"--max-num-seqs={MAX_NUM_SEQS}",
-                    f"--lease-ms={LEASE_MS}",
-                    "--drain-timeout-s=5",
-                    f"--worker-id={name}",
-                ],
-                env,
-                logs / f"{name}.log",
-            )
-            fleet.workers[name] = worker
-            procs.append(worker)
-        for i in range(2):
-            port = free_port()
-            procs.append(
-                spawn_tiergate(["gateway", f"--port={port}"], env, logs / f"gateway{i}.log")
-            )
-            fleet.gateways.append(f"http://127.0.0.1:{port}")
-        for url in fleet.gateways:
-            wait_ready(url, procs)
-        yield fleet
-    finally:
-        stop_processes(procs)
-        delete_redis_prefix(REDIS_URL, prefix)
-        _drop_postgres_database(database_url)
+    with fleet_setup(tmp_path_factory, "fleet", REDIS_URL) as setup:
+        env, logs = setup.env, setup.logs
+        procs: list[subprocess.Popen] = []
+        fleet = Fleet([], setup.admin_token, setup.prefix)
+        try:
+            for name in ("w1", "w2"):
+                worker = spawn_tiergate(
+                    [
+                        "worker",
+                        "--device=cpu",
+                        "--kv-cache-bytes=16777216",
+                        f"--max-num-seqs={MAX_NUM_SEQS}",
+                        f"--lease-ms={LEASE_MS}",
+                        "--drain-timeout-s=5",
+                        f"--worker-id={name}",
+                    ],
+                    env,
+                    logs / f"{name}.log",
+                )
+                fleet.workers[name] = worker
+                procs.append(worker)
+            for i in range(2):
+                port = free_port()
+                procs.append(
+                    spawn_tiergate(["gateway", f"--port={port}"], env, logs / f"gateway{i}.log")
+                )
+                fleet.gateways.append(f"http://127.0.0.1:{port}")
+            for url in fleet.gateways:
+                wait_ready(url, procs)
+            yield fleet
+        finally:
+            stop_processes(procs)
 
 
 # --------------------------------------------------------------------------- load

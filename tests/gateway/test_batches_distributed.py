@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import secrets
 import signal
 import subprocess
 import time
@@ -34,10 +33,9 @@ import pytest
 import redis
 
 from scheduler.keys import FAMILIES, KeySpace
-from tests.conftest import REDIS_URL, _create_postgres_database, _drop_postgres_database
+from tests.conftest import REDIS_URL
 from tests.fleet_processes import (
-    delete_redis_prefix,
-    fleet_env,
+    fleet_setup,
     free_port,
     spawn_tiergate,
     stop_processes,
@@ -142,35 +140,21 @@ class Fleet:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory) -> Iterator[Fleet]:
-    from gateway.migrate import upgrade_to_head
-
-    database_url = _create_postgres_database()
-    upgrade_to_head(database_url)
-    logs = tmp_path_factory.mktemp("batch-fleet")
-    prefix = f"{{tgbatch-{uuid.uuid4().hex[:10]}}}:"
-    admin_token = secrets.token_urlsafe(16)
-    env = fleet_env(
-        database_url=database_url,
-        redis_url=REDIS_URL,
-        prefix=prefix,
-        admin_token=admin_token,
-        data_dir=logs,
-        TIERGATE_BATCH_LEASE_S=str(BATCH_LEASE_S),
-    )
-    fleet = Fleet(database_url, admin_token, prefix, env, logs)
-    try:
-        for name in ("w1", "w2"):
-            fleet.start_worker(name)
-        for _ in range(2):
-            fleet.start_gateway()
-        procs = [*fleet.workers.values(), *fleet.gateways.values()]
-        for url in fleet.gateways:
-            wait_ready(url, procs)
-        yield fleet
-    finally:
-        stop_processes([*fleet.workers.values(), *fleet.gateways.values()])
-        delete_redis_prefix(REDIS_URL, prefix)
-        _drop_postgres_database(database_url)
+    with fleet_setup(
+        tmp_path_factory, "batch", REDIS_URL, TIERGATE_BATCH_LEASE_S=str(BATCH_LEASE_S)
+    ) as setup:
+        fleet = Fleet(setup.database_url, setup.admin_token, setup.prefix, setup.env, setup.logs)
+        try:
+            for name in ("w1", "w2"):
+                fleet.start_worker(name)
+            for _ in range(2):
+                fleet.start_gateway()
+            procs = [*fleet.workers.values(), *fleet.gateways.values()]
+            for url in fleet.gateways:
+                wait_ready(url, procs)
+            yield fleet
+        finally:
+            stop_processes([*fleet.workers.values(), *fleet.gateways.values()])
 
 
 # --------------------------------------------------------------------------- helpers
