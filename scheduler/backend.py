@@ -167,6 +167,9 @@ WORKER_DETAIL_TYPES: dict[str, type] = {
 
 def worker_details(**values: Any) -> dict[str, Any]:
     """Those fields from `values` as their types; None where the worker did not say."""
+    unknown = set(values) - WORKER_DETAIL_TYPES.keys()
+    if unknown:
+        raise TypeError(f"unknown worker report fields: {sorted(unknown)}")
     return {
         name: None if values.get(name) is None else kind(values[name])
         for name, kind in WORKER_DETAIL_TYPES.items()
@@ -275,18 +278,14 @@ class QueueBackend(Protocol):
         ttl_ms: int,
         unprefilled_tokens_by_rank: Mapping[int, int] | None = None,
         decode_tokens_by_rank: Mapping[int, int] | None = None,
-        num_running: int | None = None,
-        num_waiting: int | None = None,
-        kv_cache_usage: float | None = None,
-        step_token_budget: int | None = None,
-        num_preemptions: int | None = None,
-        num_recomputed_tokens: int | None = None,
+        **details: float | None,
     ) -> None:
         """A worker's measured rates and its engine's backlog per rank (EngineStats);
         they count for ttl_ms (publish again to stay live). A report replaces the
-        worker's previous one, backlog included. The sequence counts, KV-cache use, step
-        budget and preemption counters are shown to operators (`worker_reports`, the
-        gateways' metrics and dashboard), not used by admission."""
+        worker's previous one, backlog included. `details`: the WORKER_DETAIL_TYPES
+        fields (sequence counts, KV-cache use, step budget, preemption counters), shown
+        to operators (`worker_reports`, the gateways' metrics and dashboard), not used
+        by admission; any other name is a TypeError."""
         ...
 
     async def fleet_capacity(self) -> FleetCapacity: ...

@@ -501,23 +501,11 @@ class MemoryBackend:
         ttl_ms: int,
         unprefilled_tokens_by_rank: Mapping[int, int] | None = None,
         decode_tokens_by_rank: Mapping[int, int] | None = None,
-        num_running: int | None = None,
-        num_waiting: int | None = None,
-        kv_cache_usage: float | None = None,
-        step_token_budget: int | None = None,
-        num_preemptions: int | None = None,
-        num_recomputed_tokens: int | None = None,
+        **details: float | None,
     ) -> None:
         self._worker_details[worker_id] = (
             self._clock_ms(),
-            worker_details(
-                num_running=num_running,
-                num_waiting=num_waiting,
-                kv_cache_usage=kv_cache_usage,
-                step_token_budget=step_token_budget,
-                num_preemptions=num_preemptions,
-                num_recomputed_tokens=num_recomputed_tokens,
-            ),
+            worker_details(**details),
         )
         report = FleetCapacity(
             1,

@@ -361,23 +361,11 @@ class RedisBackend:
         ttl_ms: int,
         unprefilled_tokens_by_rank: Mapping[int, int] | None = None,
         decode_tokens_by_rank: Mapping[int, int] | None = None,
-        num_running: int | None = None,
-        num_waiting: int | None = None,
-        kv_cache_usage: float | None = None,
-        step_token_budget: int | None = None,
-        num_preemptions: int | None = None,
-        num_recomputed_tokens: int | None = None,
+        **details: float | None,
     ) -> None:
         k = self._keys
         now_ms = self._clock_ms()
-        details = worker_details(
-            num_running=num_running,
-            num_waiting=num_waiting,
-            kv_cache_usage=kv_cache_usage,
-            step_token_budget=step_token_budget,
-            num_preemptions=num_preemptions,
-            num_recomputed_tokens=num_recomputed_tokens,
-        )
+        shown = worker_details(**details)
         with unavailable_as_error():
             async with self._redis.pipeline(transaction=True) as pipe:
                 pipe.hset(
@@ -389,7 +377,7 @@ class RedisBackend:
                         "unprefilled_tokens_by_rank": _rank_json(unprefilled_tokens_by_rank),
                         "decode_tokens_by_rank": _rank_json(decode_tokens_by_rank),
                         "reported_at_ms": now_ms,
-                        **{name: _optional(value) for name, value in details.items()},
+                        **{name: _optional(value) for name, value in shown.items()},
                     },
                 )
                 pipe.pexpire(k.capacity(worker_id), ttl_ms)
