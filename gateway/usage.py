@@ -69,6 +69,9 @@ class UsageRecord:
 
 _MAX_INT = 2**31 - 1
 _RECORD_FIELDS = tuple(f.name for f in fields(UsageRecord))
+# What the usage_records columns hold: text lengths, and counts as 32-bit ints.
+_TEXT_LIMITS = {"request_id": 64, "tenant_id": 40, "tier": 32, "model": 200, "outcome": 64}
+_COUNT_FIELDS = ("prompt_tokens", "completion_tokens")
 ROLLUP_COUNTS = ("requests", "refusals", "aborted", "input_tokens", "output_tokens", "slo_met")
 
 
@@ -79,28 +82,24 @@ def _fit_columns(rec: UsageRecord) -> UsageRecord:
         raise TypeError(f"expected a UsageRecord, got {type(rec).__name__}")
     if rec.created_at.tzinfo is None:  # would fail its whole batch on every retry
         raise ValueError("UsageRecord.created_at must be timezone-aware")
-    if (  # the usual record fits as it is: no copy on the request path
-        len(rec.request_id) <= 64
-        and len(rec.tenant_id) <= 40
-        and len(rec.tier) <= 32
-        and len(rec.model) <= 200
-        and len(rec.outcome) <= 64
-        and type(rec.prompt_tokens) is int
-        and type(rec.completion_tokens) is int
-        and 0 <= rec.prompt_tokens <= _MAX_INT
-        and 0 <= rec.completion_tokens <= _MAX_INT
-    ):
-        return rec
+    if _fits(rec):
+        return rec  # the usual record: no copy on the request path
     return replace(
         rec,
-        request_id=rec.request_id[:64],
-        tenant_id=rec.tenant_id[:40],
-        tier=rec.tier[:32],
-        model=rec.model[:200],
-        outcome=rec.outcome[:64],
-        prompt_tokens=min(max(int(rec.prompt_tokens), 0), _MAX_INT),
-        completion_tokens=min(max(int(rec.completion_tokens), 0), _MAX_INT),
+        **{name: getattr(rec, name)[:limit] for name, limit in _TEXT_LIMITS.items()},
+        **{name: min(max(int(getattr(rec, name)), 0), _MAX_INT) for name in _COUNT_FIELDS},
     )
+
+
+def _fits(rec: UsageRecord) -> bool:
+    for name, limit in _TEXT_LIMITS.items():
+        if len(getattr(rec, name)) > limit:
+            return False
+    for name in _COUNT_FIELDS:
+        value = getattr(rec, name)
+        if type(value) is not int or not 0 <= value <= _MAX_INT:
+            return False
+    return True
 
 
 def is_record_slo_met(rec: UsageRecord, targets: SloTargets | None) -> bool:

@@ -98,8 +98,12 @@ class ProcessSpanSink:
         self._flusher.start()
 
     def add(self, records: Sequence[SpanRecord]) -> None:
-        self._pending.extend(records)
-        if len(self._pending) >= self.batch_size:
+        # Under the lock: the flusher thread swaps the list out, and records added to
+        # the list it took (after it pickled them) would be lost.
+        with self._lock:
+            self._pending.extend(records)
+            is_full = len(self._pending) >= self.batch_size
+        if is_full:
             self.flush()
 
     def flush(self) -> None:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 from opentelemetry.metrics import CallbackOptions, Observation
-from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter, MeterProvider
+from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -139,11 +139,7 @@ class Telemetry:
             registry=self.registry,
             scope_info_enabled=False,
         )
-        # No exemplars: the Prometheus text format has no place for them, and the default
-        # filter looks up the current span on every histogram record.
-        self._meter_provider = MeterProvider(
-            metric_readers=[reader], resource=resource, exemplar_filter=AlwaysOffExemplarFilter()
-        )
+        self._meter_provider = MeterProvider(metric_readers=[reader], resource=resource)
         meter = self._meter_provider.get_meter(METER_NAME)
         counters = {
             "requests": (
