@@ -48,6 +48,7 @@ from gateway.errors import (
     register_error,
 )
 from gateway.health import health_routes
+from gateway.heap import freeze_startup_heap
 from gateway.middleware import GatewayMiddleware
 from gateway.migrate import upgrade_to_head
 from gateway.observability import Telemetry, TelemetryConfig, TelemetryMiddleware, metrics_routes
@@ -109,6 +110,7 @@ def build_app(
     engine: EngineLike | None = None,
     telemetry_config: TelemetryConfig | None = None,
     with_engine: bool = True,
+    freeze_heap: bool = False,
 ) -> Starlette:
     """The gateway app for `settings`.
 
@@ -117,6 +119,8 @@ def build_app(
     `telemetry_config` defaults to the standard OTEL_* variables. With
     `with_engine=False` (`tiergate gateway`) the process runs no engine: it loads only
     the tokenizer and leaves the queued work to `tiergate worker` processes.
+    `freeze_heap` (the serving commands; not apps built by tests, many to a process)
+    freezes what start-up built, once it is built (gateway.heap).
     """
     deferred = _DeferredRoutes()
     telemetry = Telemetry(telemetry_config or TelemetryConfig.from_env())
@@ -128,6 +132,8 @@ def build_app(
             deferred.router = await _build_router(
                 settings, engine, telemetry, stack, with_engine=with_engine
             )
+            if freeze_heap:
+                freeze_startup_heap()
             try:
                 yield
             finally:

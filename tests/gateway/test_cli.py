@@ -131,6 +131,10 @@ def test_serve_demo_prints_working_keys(tmp_path: Path) -> None:
             if "Application startup complete" in line:
                 break
         output = "".join(lines)
+        # What start-up built is out of the collector's way before the first request.
+        frozen = re.search(r"start-up heap frozen: (\d+) objects", output)
+        assert frozen is not None, output
+        assert int(frozen.group(1)) > 10_000
         keys = dict(re.findall(r"tier=(\w+)\s+(tg-[A-Za-z0-9_-]+)", output))
         assert set(keys) == {"priority", "interactive", "batch"}, output
         assert re.search(r"Admin token \(generated.*\): \S{20,}", output)
