@@ -8,7 +8,7 @@ that escaped a route becomes an OpenAI-shaped error (so even a 500 carries x-req
 from __future__ import annotations
 
 import logging
-import uuid
+import os
 from collections.abc import Mapping
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -18,16 +18,24 @@ from gateway.errors import PayloadTooLargeError, error_response
 log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = b"x-request-id"
+RESPONSE_STATUS_KEY = "response_status"  # in scope["state"], for the layers inside
 
 
 def new_request_id() -> str:
-    """A fresh request id; also the job id the queue and the engine know the request by."""
-    return f"req_{uuid.uuid4().hex}"
+    """A fresh request id; also the job id the queue and the engine know the request by.
+
+    128 random bits, as a uuid4 carries (without building the UUID object)."""
+    return f"req_{os.urandom(16).hex()}"
 
 
 def request_id_of(scope: Scope) -> str:
     """The id the middleware assigned to this request."""
     return scope["state"]["request_id"]
+
+
+def response_status_of(scope: Scope) -> int | None:
+    """The status code of the response once it started (None before)."""
+    return scope["state"].get(RESPONSE_STATUS_KEY)
 
 
 class GatewayMiddleware:
@@ -50,7 +58,7 @@ class GatewayMiddleware:
         request_id = new_request_id()
         # A new dict: the server shares the lifespan state between requests by copy, and
         # an in-process client may share it outright.
-        scope["state"] = {**scope.get("state", {}), "request_id": request_id}
+        state = scope["state"] = {**scope.get("state", {}), "request_id": request_id}
         header_value = request_id.encode("ascii")
         response_started = False
 
@@ -58,6 +66,7 @@ class GatewayMiddleware:
             nonlocal response_started
             if message["type"] == "http.response.start":
                 response_started = True
+                state[RESPONSE_STATUS_KEY] = message["status"]
                 headers = list(message.get("headers", []))
                 headers.append((REQUEST_ID_HEADER, header_value))
                 message = {**message, "headers": headers}

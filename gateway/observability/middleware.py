@@ -7,9 +7,10 @@ route runs and closes it after the last byte is sent.
 
 from __future__ import annotations
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.errors import error_response
+from gateway.middleware import response_status_of
 from gateway.observability.logs import request_id_var, trace_id_var
 from gateway.observability.telemetry import Telemetry
 
@@ -49,22 +50,18 @@ class TelemetryMiddleware:
                 break
         trace_id = self.telemetry.start_request(request_id, scope["method"], path, traceparent)
         trace_token = trace_id_var.set(trace_id)
-        status_code: int | None = None
-
-        async def send_with_status(message: Message) -> None:
-            nonlocal status_code
-            if message["type"] == "http.response.start":
-                status_code = message["status"]
-            await send(message)
-
+        error_status: int | None = None
         try:
-            await self.app(scope, receive, send_with_status)
+            await self.app(scope, receive, send)
         except Exception as exc:
             # The outer middleware turns it into the error table's response; record that.
-            if status_code is None:
-                status_code = error_response(exc).status_code
+            error_status = error_response(exc).status_code
             raise
         finally:
-            self.telemetry.end_request(request_id, status_code)
+            # GatewayMiddleware, outside, notes the status as the response starts.
+            status_code = response_status_of(scope)
+            self.telemetry.end_request(
+                request_id, error_status if status_code is None else status_code
+            )
             trace_id_var.reset(trace_token)
             request_id_var.reset(id_token)

@@ -3,10 +3,10 @@
 The gateway's request path is bound to one interpreter lock: an exporter thread that
 builds, encodes and posts spans takes the lock from the event loop for all of that
 time, and at six spans a request the loop then served a fifth fewer requests. So the
-gateway only gathers each request's spans as plain `SpanRecord` tuples and, a batch at
-a time, pickles them into a datagram to a child process (`main` below), which encodes
-and posts them over OTLP/HTTP on another core. The child reads the same
-OTEL_EXPORTER_OTLP_* variables.
+gateway only gathers one plain tuple per request (a `TraceRecord`: the root and the
+timeline) and, a batch at a time, pickles them into a datagram to a child process
+(`main` below), which cuts them into spans, encodes them and posts them over OTLP/HTTP
+on another core. The child reads the same OTEL_EXPORTER_OTLP_* variables.
 
 A datagram socket pair, non-blocking on the gateway's side: a batch goes whole or not
 at all, and a child that falls behind costs dropped spans (counted, as the SDK's batch
@@ -24,19 +24,22 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-from gateway.observability.otlp import OtlpHttpSpanExporter, SpanRecord, encode_records
+from gateway.observability.otlp import OtlpHttpSpanExporter, encode_records
+from gateway.observability.tracing import spans_of
 
 log = logging.getLogger(__name__)
 
 MAX_DATAGRAM_BYTES = 60_000  # well under the socket buffer; a bigger batch is split
 SOCKET_BUFFER_BYTES = 4 * 2**20
 DROP_WARNING_INTERVAL_S = 10.0
+MAX_SPANS_PER_REQUEST = 7  # the root and its six phases (gateway.observability.tracing)
+MAX_REQUESTS_PER_POST = 1024  # what the child gathers into one export request
 _END = b"end"  # the gateway's last datagram: export what is left, then exit
 _CHILD = "import sys; from gateway.observability.span_export import main; sys.exit(main())"
 
@@ -51,9 +54,11 @@ def _float_env(environ: Mapping[str, str], name: str, default: float) -> float:
 class ProcessSpanSink:
     """Gathers span records on the gateway's side and ships them to the export process.
 
-    `add` is called on the event loop and costs a list append; a batch is pickled and
-    sent once it holds `batch_size` spans, and a flusher thread sends what is waiting
-    every `schedule_delay_s` (OTEL_BSP_SCHEDULE_DELAY, milliseconds, as the SDK reads it).
+    `add` is called on the event loop, once per request, and costs a list append; a
+    batch is pickled and sent once it holds `batch_size` requests, and a flusher thread
+    sends what is waiting every `schedule_delay_s` (OTEL_BSP_SCHEDULE_DELAY, in
+    milliseconds, as the SDK reads it). OTEL_BSP_MAX_EXPORT_BATCH_SIZE counts spans, as
+    in the SDK; a request is up to MAX_SPANS_PER_REQUEST of them.
     """
 
     def __init__(
@@ -64,10 +69,11 @@ class ProcessSpanSink:
     ) -> None:
         environ = dict(os.environ if environ is None else environ)
         self.schedule_delay_s = _float_env(environ, "OTEL_BSP_SCHEDULE_DELAY", 1000) / 1000
-        self.batch_size = int(_float_env(environ, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512))
+        max_spans = int(_float_env(environ, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512))
+        self.batch_size = max(1, max_spans // MAX_SPANS_PER_REQUEST)
         self.num_dropped = 0
         self._warned_at_s = float("-inf")
-        self._pending: list[SpanRecord] = []
+        self._pending: list[tuple] = []
         self._lock = threading.Lock()
         self._closed = threading.Event()
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -97,11 +103,12 @@ class ProcessSpanSink:
         )
         self._flusher.start()
 
-    def add(self, records: Sequence[SpanRecord]) -> None:
-        # Under the lock: the flusher thread swaps the list out, and records added to
+    def add(self, record: tuple) -> None:
+        """One request's `TraceRecord`, as a plain tuple."""
+        # Under the lock: the flusher thread swaps the list out, and a record added to
         # the list it took (after it pickled them) would be lost.
         with self._lock:
-            self._pending.extend(records)
+            self._pending.append(record)
             is_full = len(self._pending) >= self.batch_size
         if is_full:
             self.flush()
@@ -112,7 +119,7 @@ class ProcessSpanSink:
         if batch:
             self._ship(batch)
 
-    def _ship(self, batch: list[SpanRecord]) -> None:
+    def _ship(self, batch: list[tuple]) -> None:
         data = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
         if len(data) > MAX_DATAGRAM_BYTES and len(batch) > 1:
             half = len(batch) // 2
@@ -120,11 +127,14 @@ class ProcessSpanSink:
             self._ship(batch[half:])
             return
         if not self._send(data):
-            self.num_dropped += len(batch)
+            self.num_dropped += len(batch)  # requests' span trees
             now_s = time.monotonic()
             if now_s - self._warned_at_s >= DROP_WARNING_INTERVAL_S:  # a line, not a flood
                 self._warned_at_s = now_s
-                log.warning("span export is behind: %d spans dropped so far", self.num_dropped)
+                log.warning(
+                    "span export is behind: the spans of %d requests dropped so far",
+                    self.num_dropped,
+                )
 
     def _send(self, data: bytes) -> bool:
         try:
@@ -180,7 +190,7 @@ def _serve(sock: socket.socket, exporter: OtlpHttpSpanExporter) -> None:
         # Everything already waiting goes out in the same request.
         sock.setblocking(False)
         try:
-            while len(records) < 4096:
+            while len(records) < MAX_REQUESTS_PER_POST:
                 more = sock.recv(MAX_DATAGRAM_BYTES * 2)
                 if more == _END or not more:
                     _post(exporter, resource, scope, records)
@@ -200,9 +210,10 @@ def _post(
     records: list[Any],
 ) -> None:
     try:
-        exporter.post(encode_records(resource, scope, records), len(records))
+        spans = [span for record in records for span in spans_of(record)]
+        exporter.post(encode_records(resource, scope, spans), len(spans))
     except Exception:
-        log.exception("could not export %d spans", len(records))
+        log.exception("could not export the spans of %d requests", len(records))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,16 +4,17 @@ The middleware opens the request's trace (`POST /v1/chat/completions`) when the 
 arrives, continuing an incoming W3C `traceparent` if there is one. The phases — auth,
 admission, queue wait, prefill, decode, stream — are recorded as plain monotonic
 timestamps on the request path (no context juggling across the dispatcher's tasks).
-When the response is sent, the root and its phases are emitted at once as finished spans
+When the response is sent, the root and the timeline go out as one `TraceRecord`; where
+they are exported, `spans_of` turns them into the root and its phases as finished spans
 with explicit start and end times. Every span carries `tiergate.request_id`, the value
 of the `x-request-id` header.
 
-The spans are built as finished `SpanRecord`s (plain tuples) rather than started and
-ended through the SDK's tracer: every span here is known only after the fact, and the
-tracer's bookkeeping (context objects, attribute validation, locks, per-span sampling)
-cost more than the rest of the gateway's observability together. The sampler is still
-consulted, once per request, for the root. The records go to the export process
-(gateway.observability.span_export), or to an SDK span processor in this process.
+No span goes through the SDK's tracer: every span here is known only after the fact,
+and the tracer's bookkeeping (context objects, attribute validation, locks, per-span
+sampling) cost more than the rest of the gateway's observability together. The sampler
+is still consulted, once per request, for the root. The gateway's share is one tuple
+per request; the phase spans are cut in the export process
+(gateway.observability.span_export), or by an SDK span processor's sink in this process.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
@@ -51,8 +52,7 @@ _INTERNAL, _SERVER = SpanKind.INTERNAL.value, SpanKind.SERVER.value
 _NO_PARENT = Context()
 
 
-@dataclass(frozen=True)
-class RequestTimeline:
+class RequestTimeline(NamedTuple):
     """Monotonic timestamps (time.monotonic() seconds) of one request's phases.
 
     A phase that did not happen (refused before the queue, no token produced) is None.
@@ -66,6 +66,29 @@ class RequestTimeline:
     last_token_s: float | None = None
     finished_s: float | None = None
     is_stream: bool = False
+
+
+class TraceRecord(NamedTuple):
+    """A finished request's root span and the timeline its phase spans are cut from.
+
+    One per request, shipped as a plain tuple (`tuple(record)`: a named tuple pickles
+    several times slower) and expanded into its spans by `spans_of` where they are
+    exported, off the request path.
+    """
+
+    name: str
+    trace_id: int
+    span_id: int
+    parent_span_id: int  # 0: no parent
+    is_parent_remote: bool
+    start_ns: int
+    end_ns: int
+    end_s: float  # end_ns on the monotonic clock, to place the phases
+    attributes: dict[str, Any]
+    status_code: int
+    status_message: str
+    trace_state: str
+    timeline: tuple | None  # a RequestTimeline as a plain tuple
 
 
 def _phases(t: RequestTimeline, end_s: float) -> list[tuple[str, float, float]]:
@@ -100,10 +123,10 @@ class RequestTrace:
 
 
 class RequestTracer:
-    """Opens a trace per request (sampler permitting) and emits its finished span tree
-    as `SpanRecord`s to `sink` (the export process, or `to_span_processor`)."""
+    """Opens a trace per request (sampler permitting) and emits each finished one as a
+    `TraceRecord` tuple to `sink` (the export process, or `to_span_processor`)."""
 
-    def __init__(self, sampler: Sampler, sink: Callable[[list[SpanRecord]], None]) -> None:
+    def __init__(self, sampler: Sampler, sink: Callable[[tuple], None]) -> None:
         self._sampler = sampler
         self._sink = sink
         self._propagator = TraceContextTextMapPropagator()
@@ -141,65 +164,86 @@ class RequestTracer:
         return trace_hex, trace
 
     def finish(self, trace: RequestTrace) -> None:
-        """Emit the root span and its phases, the root ending now."""
+        """Emit the request's record, the root ending now."""
         end_s, end_ns = time.monotonic(), time.time_ns()
-        trace_id, root_id = trace.context.trace_id, trace.context.span_id
-        trace_state = trace.context.trace_state.to_header() if trace.context.trace_state else ""
-        records = []
-        if trace.timeline is not None:
-            phase_attributes = {REQUEST_ID_ATTRIBUTE: trace.attributes.get(REQUEST_ID_ATTRIBUTE)}
-            last_s = trace.timeline.finished_s or end_s
-            for name, start_s, stop_s in _phases(trace.timeline, last_s):
-                records.append(
-                    SpanRecord(
-                        name,
-                        trace_id,
-                        _random_id(64, INVALID_SPAN_ID),
-                        root_id,
-                        False,
-                        _INTERNAL,
-                        # A phase never starts before its root (clocks read apart).
-                        max(end_ns - int((end_s - start_s) * 1e9), trace.start_ns),
-                        min(end_ns - int((end_s - stop_s) * 1e9), end_ns),
-                        phase_attributes,
-                        0,
-                        "",
-                        trace_state,
-                    )
-                )
+        context = trace.context
         status_code, status_message = 0, ""
         if trace.outcome is not None:
             trace.attributes["tiergate.outcome"] = trace.outcome
             if trace.outcome not in ("ok", "aborted") and not trace.outcome.startswith("rejected:"):
                 status_code, status_message = StatusCode.ERROR.value, trace.outcome
         parent = trace.parent
-        records.append(
-            SpanRecord(
+        self._sink(
+            (  # a TraceRecord's fields, in order, as a plain tuple
                 trace.name,
-                trace_id,
-                root_id,
+                context.trace_id,
+                context.span_id,
                 parent.span_id if parent is not None else 0,
                 parent is not None and parent.is_remote,
-                _SERVER,
                 trace.start_ns,
                 end_ns,
+                end_s,
                 trace.attributes,
                 status_code,
                 status_message,
-                trace_state,
+                context.trace_state.to_header() if context.trace_state else "",
+                None if trace.timeline is None else tuple(trace.timeline),
             )
         )
-        self._sink(records)
 
 
-def to_span_processor(
-    processor: SpanProcessor, resource: Resource
-) -> Callable[[list[SpanRecord]], None]:
-    """A sink handing the records, as SDK spans, to `processor` (for an exporter object
-    the caller built, which runs in this process)."""
+def spans_of(record: tuple) -> list[SpanRecord]:
+    """The spans of one request (a `TraceRecord` as a plain tuple): its phases, each a
+    child of the root, then the root."""
+    r = TraceRecord._make(record)
+    spans = []
+    if r.timeline is not None:
+        timeline = RequestTimeline._make(r.timeline)
+        phase_attributes = {REQUEST_ID_ATTRIBUTE: r.attributes.get(REQUEST_ID_ATTRIBUTE)}
+        end_s, end_ns = r.end_s, r.end_ns
+        for name, start_s, stop_s in _phases(timeline, timeline.finished_s or end_s):
+            spans.append(
+                SpanRecord(
+                    name,
+                    r.trace_id,
+                    _random_id(64, INVALID_SPAN_ID),
+                    r.span_id,
+                    False,
+                    _INTERNAL,
+                    # A phase never starts before its root (clocks read apart).
+                    max(end_ns - int((end_s - start_s) * 1e9), r.start_ns),
+                    min(end_ns - int((end_s - stop_s) * 1e9), end_ns),
+                    phase_attributes,
+                    0,
+                    "",
+                    r.trace_state,
+                )
+            )
+    spans.append(
+        SpanRecord(
+            r.name,
+            r.trace_id,
+            r.span_id,
+            r.parent_span_id,
+            r.is_parent_remote,
+            _SERVER,
+            r.start_ns,
+            r.end_ns,
+            r.attributes,
+            r.status_code,
+            r.status_message,
+            r.trace_state,
+        )
+    )
+    return spans
 
-    def sink(records: list[SpanRecord]) -> None:
-        for r in records:
+
+def to_span_processor(processor: SpanProcessor, resource: Resource) -> Callable[[tuple], None]:
+    """A sink handing each request's spans, as SDK spans, to `processor` (for an
+    exporter object the caller built, which runs in this process)."""
+
+    def sink(record: tuple) -> None:
+        for r in spans_of(record):
             flags = TraceFlags(TraceFlags.SAMPLED)
             trace_state = TraceState.from_header([r.trace_state]) if r.trace_state else None
             parent = None

@@ -27,11 +27,11 @@ from starlette.routing import Route
 from gateway.observability.otlp import (
     OtlpConfigError,
     OtlpHttpSpanExporter,
-    SpanRecord,
     encode_spans,
     parse_headers,
 )
 from gateway.observability.span_export import ProcessSpanSink
+from gateway.observability.tracing import TraceRecord
 from tests.gateway.conftest import ServerThread
 
 RESOURCE = Resource.create({"service.name": "tiergate-test", "deployment": "ci"})
@@ -207,9 +207,26 @@ def test_headers_parse_like_the_specification() -> None:
     assert parse_headers("a=1,B=x%20y, c = 3 ") == {"a": "1", "b": "x y", "c": "3"}
 
 
-def _records(n: int) -> list[SpanRecord]:
+def _records(n: int) -> list[tuple]:
+    """Requests refused before any phase: one span (the root) each."""
     return [
-        SpanRecord("queue_wait", 7, 100 + i, 9, False, 0, 1, 2, {"tiergate.request_id": f"r{i}"})
+        tuple(
+            TraceRecord(
+                "POST /v1/completions",
+                7,
+                100 + i,
+                9,
+                False,
+                0,
+                1,
+                0.0,
+                {"tiergate.request_id": f"r{i}"},
+                0,
+                "",
+                "",
+                None,
+            )
+        )
         for i in range(n)
     ]
 
@@ -219,14 +236,17 @@ def test_export_process_delivers_every_span_and_stops(receiver: Receiver) -> Non
         **os.environ,
         "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.thread.port}",
         "OTEL_BSP_SCHEDULE_DELAY": "50",
-        "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "100",
+        "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "700",  # spans: 100 requests of up to 7
     }
     sink = ProcessSpanSink(RESOURCE, SCOPES[0], environ)
-    sink.add(_records(250))  # two full batches go at once, the rest on the timer
+    assert sink.batch_size == 100
+    for record in _records(250):  # two full batches go at once, the rest on the timer
+        sink.add(record)
     deadline = time.monotonic() + 20
     while sum(_count(m) for _, m in receiver.posts) < 250 and time.monotonic() < deadline:
         time.sleep(0.05)
-    sink.add(_records(5))  # left for shutdown to send
+    for record in _records(5):  # left for shutdown to send
+        sink.add(record)
     sink.shutdown()
     assert sink._process.returncode == 0
     spans = [
@@ -237,7 +257,7 @@ def test_export_process_delivers_every_span_and_stops(receiver: Receiver) -> Non
         for s in ss.spans
     ]
     assert len(spans) == 255
-    assert {s.name for s in spans} == {"queue_wait"}
+    assert {s.name for s in spans} == {"POST /v1/completions"}
     assert sink.num_dropped == 0
     resource = receiver.posts[0][1].resource_spans[0].resource
     assert {a.key: a.value.string_value for a in resource.attributes}["deployment"] == "ci"
