@@ -146,10 +146,16 @@ class MemoryBackend:
         config: PolicyConfig | None = None,
         clock_ms: Callable[[], int] = wall_clock_ms,
         finished_ttl_ms: int = 3_600_000,
+        result_ttl_ms: int = 60_000,
     ) -> None:
         self._config = config or PolicyConfig()
         self._clock_ms = clock_ms
         self._finished_ttl_ms = finished_ttl_ms
+        # A finished job's result stream is kept this long, for a reader that comes back,
+        # then goes: its one reader is in this process and read it as it was written,
+        # and kept as long as the job's entry, streams held gigabytes at a few hundred
+        # requests a second.
+        self._result_ttl_ms = min(result_ttl_ms, finished_ttl_ms)
         self._tier_configs: dict[str, TierConfig] = {}
         self._tiers: dict[str, _Tier] = {}
         self._entries: dict[str, _Entry] = {}
@@ -159,6 +165,7 @@ class MemoryBackend:
         self._deadlines: list[tuple[int, str]] = []
         self._leases: list[tuple[int, str]] = []
         self._purges: list[tuple[int, str]] = []
+        self._result_purges: list[tuple[int, str]] = []
         self._bucket_ms = self._config.share_bucket_ms
         self._total_share = _Window(self._config.share_buckets)
         # Every known tier best first (rank, name), with its min_share: dispatch walks it
@@ -440,8 +447,12 @@ class MemoryBackend:
         entry.status = status
         entry.worker_id = ""
         heapq.heappush(self._purges, (now_ms + self._finished_ttl_ms, entry.job.job_id))
+        heapq.heappush(self._result_purges, (now_ms + self._result_ttl_ms, entry.job.job_id))
 
     def _purge(self, now_ms: int) -> None:
+        while self._result_purges and self._result_purges[0][0] <= now_ms:
+            _, job_id = heapq.heappop(self._result_purges)
+            self._streams.pop(job_id, None)  # the entry stays: a job id is never reused
         while self._purges and self._purges[0][0] <= now_ms:
             _, job_id = heapq.heappop(self._purges)
             self._entries.pop(job_id, None)

@@ -276,3 +276,25 @@ async def test_work_ahead_counts_better_tiers_and_fair_shares(backend, make_job)
     # priority 100; own 40; b gets 3x what a receives (40 + 20) = 180 of its 600.
     assert ahead.num_prefill_tokens == pytest.approx(100 + 40 + 180)
     assert ahead.num_decode_tokens == pytest.approx(10 + 20 + 60 * 180 / 600)
+
+
+async def test_memory_backend_lets_finished_results_go_after_their_ttl(make_job, clock) -> None:
+    """The in-process queue's memory stays flat under sustained load: a finished job's
+    result stream is kept only `result_ttl_ms` (for a reader that comes back), while its
+    status stays answerable."""
+    from scheduler.memory_backend import MemoryBackend
+    from tests.scheduler.conftest import TIERS
+
+    backend = MemoryBackend(clock_ms=clock, result_ttl_ms=1_000)
+    await backend.configure_tiers(TIERS)
+    first = make_job("a")
+    await backend.enqueue(first)
+    await drain(backend, 1)
+    again = [e async for e in backend.results(first.job_id)]  # still there to re-read
+    assert [e.kind for e in again] == [EventKind.DONE]
+    for _ in range(200):
+        clock.advance(100)
+        await backend.enqueue(make_job("a"))
+        await drain(backend, 1)
+    assert len(backend._streams) <= 11  # the last second's, not all 201
+    assert await backend.job_status(first.job_id) is JobStatus.DONE
