@@ -446,6 +446,10 @@ class MemoryBackend:
     def _finish(self, entry: _Entry, status: JobStatus, now_ms: int) -> None:
         entry.status = status
         entry.worker_id = ""
+        # What is kept for status and duplicate checks need not hold the prompt for an
+        # hour (as the Redis backend empties the job's payload).
+        entry.job = replace(entry.job, prompt_token_ids=(), resumed_token_ids=())
+        entry.resumed_token_ids = ()
         heapq.heappush(self._purges, (now_ms + self._finished_ttl_ms, entry.job.job_id))
         heapq.heappush(self._result_purges, (now_ms + self._result_ttl_ms, entry.job.job_id))
 

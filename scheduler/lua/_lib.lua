@@ -169,8 +169,11 @@ local function emit(id, ttl_ms, fields)
   return sid
 end
 
+-- The payload ('j': the prompt and parameters) is emptied, not deleted: a finished job
+-- is never dispatched again, and the field's presence still refuses its id as a
+-- duplicate until the hash expires, an hour of prompts that Redis need not hold.
 local function finish(id, status, ttl_ms)
-  redis.call('HSET', K.job .. id, 'st', status, 'wk', '')
+  redis.call('HSET', K.job .. id, 'st', status, 'wk', '', 'j', '')
   redis.call('ZREM', K.leases, id)
   redis.call('PEXPIRE', K.job .. id, ttl_ms)
 end

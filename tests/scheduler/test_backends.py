@@ -298,3 +298,23 @@ async def test_memory_backend_lets_finished_results_go_after_their_ttl(make_job,
         await drain(backend, 1)
     assert len(backend._streams) <= 11  # the last second's, not all 201
     assert await backend.job_status(first.job_id) is JobStatus.DONE
+
+
+async def test_a_finished_job_keeps_its_status_and_id_but_not_its_prompt(
+    backend, make_job, redis_client, keys
+) -> None:
+    """Finished jobs are kept (status, duplicate refusal) until finished_ttl_ms, an hour
+    by default; their prompts are not."""
+    from scheduler.memory_backend import MemoryBackend
+
+    job = make_job("a", num_prompt_tokens=500)
+    await backend.enqueue(job)
+    await drain(backend, 1)
+    assert await backend.job_status(job.job_id) is JobStatus.DONE
+    with pytest.raises(DuplicateJobError):
+        await backend.enqueue(job)
+    assert await backend.charge(job.job_id, output_tokens=1)  # a late charge still counts
+    if isinstance(backend, MemoryBackend):
+        assert backend._entries[job.job_id].job.prompt_token_ids == ()
+    else:
+        assert await redis_client.hget(keys.job(job.job_id), "j") == ""
