@@ -146,7 +146,7 @@ class MemoryBackend:
         config: PolicyConfig | None = None,
         clock_ms: Callable[[], int] = wall_clock_ms,
         finished_ttl_ms: int = 3_600_000,
-        result_ttl_ms: int = 60_000,
+        finished_result_ttl_ms: int = 60_000,
     ) -> None:
         self._config = config or PolicyConfig()
         self._clock_ms = clock_ms
@@ -155,7 +155,7 @@ class MemoryBackend:
         # then goes: its one reader is in this process and read it as it was written,
         # and kept as long as the job's entry, streams held gigabytes at a few hundred
         # requests a second.
-        self._result_ttl_ms = min(result_ttl_ms, finished_ttl_ms)
+        self._finished_result_ttl_ms = min(finished_result_ttl_ms, finished_ttl_ms)
         self._tier_configs: dict[str, TierConfig] = {}
         self._tiers: dict[str, _Tier] = {}
         self._entries: dict[str, _Entry] = {}
@@ -451,7 +451,9 @@ class MemoryBackend:
         entry.job = replace(entry.job, prompt_token_ids=(), resumed_token_ids=())
         entry.resumed_token_ids = ()
         heapq.heappush(self._purges, (now_ms + self._finished_ttl_ms, entry.job.job_id))
-        heapq.heappush(self._result_purges, (now_ms + self._result_ttl_ms, entry.job.job_id))
+        heapq.heappush(
+            self._result_purges, (now_ms + self._finished_result_ttl_ms, entry.job.job_id)
+        )
 
     def _purge(self, now_ms: int) -> None:
         while self._result_purges and self._result_purges[0][0] <= now_ms:

@@ -280,12 +280,12 @@ async def test_work_ahead_counts_better_tiers_and_fair_shares(backend, make_job)
 
 async def test_memory_backend_lets_finished_results_go_after_their_ttl(make_job, clock) -> None:
     """The in-process queue's memory stays flat under sustained load: a finished job's
-    result stream is kept only `result_ttl_ms` (for a reader that comes back), while its
-    status stays answerable."""
+    result stream is kept only `finished_result_ttl_ms` (for a reader that comes back),
+    while its status stays answerable."""
     from scheduler.memory_backend import MemoryBackend
     from tests.scheduler.conftest import TIERS
 
-    backend = MemoryBackend(clock_ms=clock, result_ttl_ms=1_000)
+    backend = MemoryBackend(clock_ms=clock, finished_result_ttl_ms=1_000)
     await backend.configure_tiers(TIERS)
     first = make_job("a")
     await backend.enqueue(first)
