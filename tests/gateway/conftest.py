@@ -38,16 +38,26 @@ class LiveServer:
     keys: dict[str, str] = field(default_factory=dict)  # tier -> API key of a tenant
     tenant_ids: dict[str, str] = field(default_factory=dict)  # tier -> tenant id
     suspended_key: str = ""
+    # Every client handed out, closed with the server: a test that drops one would
+    # otherwise leave its sockets to whichever later test the collector runs in.
+    clients: list[openai.OpenAI] = field(default_factory=list)
 
     def client(self, key: str | None = None, **kwargs: Any) -> openai.OpenAI:
         """The official client, without retries (a retry would hide the first answer)."""
-        return openai.OpenAI(
+        client = openai.OpenAI(
             base_url=f"{self.base_url}/v1",
             api_key=key if key is not None else self.keys["interactive"],
             max_retries=0,
             timeout=60,
             **kwargs,
         )
+        self.clients.append(client)
+        return client
+
+    def close_clients(self) -> None:
+        for client in self.clients:
+            client.close()
+        self.clients.clear()
 
     def admin(self) -> httpx.Client:
         return httpx.Client(
@@ -167,4 +177,5 @@ def live_server(live_database_url: str, tmp_path_factory) -> Iterator[LiveServer
         _create_tenants(server)
         yield server
     finally:
+        server.close_clients()
         thread.stop()
