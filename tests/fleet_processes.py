@@ -110,6 +110,25 @@ def spawn_tiergate(args: list[str], env: dict[str, str], log: Path) -> subproces
         )
 
 
+def spawn_worker(
+    name: str, env: dict[str, str], logs: Path, *, max_num_seqs: int, lease_ms: int
+) -> subprocess.Popen:
+    """`tiergate worker` on the CPU with a small KV cache, logging to `logs/NAME.log`."""
+    return spawn_tiergate(
+        [
+            "worker",
+            "--device=cpu",
+            "--kv-cache-bytes=16777216",
+            f"--max-num-seqs={max_num_seqs}",
+            f"--lease-ms={lease_ms}",
+            "--drain-timeout-s=5",
+            f"--worker-id={name}",
+        ],
+        env,
+        logs / f"{name}.log",
+    )
+
+
 def wait_ready(url: str, procs: list[subprocess.Popen], timeout_s: float = 180.0) -> None:
     """Until `url`/readyz answers 200; fails at once if a process of the fleet exits."""
     deadline = time.monotonic() + timeout_s

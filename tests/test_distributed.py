@@ -43,6 +43,7 @@ from tests.fleet_processes import (
     fleet_setup,
     free_port,
     spawn_tiergate,
+    spawn_worker,
     stop_processes,
     wait_ready,
 )
@@ -118,19 +119,7 @@ def fleet(tmp_path_factory) -> Iterator[Fleet]:
         fleet = Fleet([], setup.admin_token, setup.prefix)
         try:
             for name in ("w1", "w2"):
-                worker = spawn_tiergate(
-                    [
-                        "worker",
-                        "--device=cpu",
-                        "--kv-cache-bytes=16777216",
-                        f"--max-num-seqs={MAX_NUM_SEQS}",
-                        f"--lease-ms={LEASE_MS}",
-                        "--drain-timeout-s=5",
-                        f"--worker-id={name}",
-                    ],
-                    env,
-                    logs / f"{name}.log",
-                )
+                worker = spawn_worker(name, env, logs, max_num_seqs=MAX_NUM_SEQS, lease_ms=LEASE_MS)
                 fleet.workers[name] = worker
                 procs.append(worker)
             for i in range(2):

@@ -38,6 +38,7 @@ from tests.fleet_processes import (
     fleet_setup,
     free_port,
     spawn_tiergate,
+    spawn_worker,
     stop_processes,
     wait_ready,
 )
@@ -65,18 +66,8 @@ class Fleet:
     workers: dict[str, subprocess.Popen] = field(default_factory=dict)  # worker id -> process
 
     def start_worker(self, name: str) -> None:
-        self.workers[name] = spawn_tiergate(
-            [
-                "worker",
-                "--device=cpu",
-                "--kv-cache-bytes=16777216",
-                f"--max-num-seqs={MAX_NUM_SEQS}",
-                f"--lease-ms={LEASE_MS}",
-                "--drain-timeout-s=5",
-                f"--worker-id={name}",
-            ],
-            self.env,
-            self.logs / f"{name}.log",
+        self.workers[name] = spawn_worker(
+            name, self.env, self.logs, max_num_seqs=MAX_NUM_SEQS, lease_ms=LEASE_MS
         )
 
     def start_gateway(self) -> str:
