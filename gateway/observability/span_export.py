@@ -31,14 +31,13 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from gateway.observability.otlp import OtlpHttpSpanExporter, encode_records
-from gateway.observability.tracing import spans_of
+from gateway.observability.tracing import MAX_SPANS_PER_REQUEST, spans_of
 
 log = logging.getLogger(__name__)
 
 MAX_DATAGRAM_BYTES = 60_000  # well under the socket buffer; a bigger batch is split
 SOCKET_BUFFER_BYTES = 4 * 2**20
 DROP_WARNING_INTERVAL_S = 10.0
-MAX_SPANS_PER_REQUEST = 7  # the root and its six phases (gateway.observability.tracing)
 MAX_REQUESTS_PER_POST = 1024  # what the child gathers into one export request
 _END = b"end"  # the gateway's last datagram: export what is left, then exit
 _CHILD = "import sys; from gateway.observability.span_export import main; sys.exit(main())"

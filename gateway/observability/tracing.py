@@ -91,6 +91,10 @@ class TraceRecord(NamedTuple):
     timeline: tuple | None  # a RequestTimeline as a plain tuple
 
 
+# The root and the six phases `_phases` may cut: what one request exports at most.
+MAX_SPANS_PER_REQUEST = 7
+
+
 def _phases(t: RequestTimeline, end_s: float) -> list[tuple[str, float, float]]:
     phases: list[tuple[str, float, float]] = []
 
