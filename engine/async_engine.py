@@ -2,8 +2,13 @@
 
 The asyncio side only enqueues commands (add, abort) and awaits per-request queues; the
 loop thread owns the LLMEngine exclusively, applies the commands between steps, and
-hands each output back with `loop.call_soon_threadsafe`. Model compute releases the GIL,
-so the event loop stays responsive while a step runs.
+hands the outputs back to the callers' event loop. Model compute releases the GIL, so the
+event loop stays responsive while a step runs.
+
+The loop thread competes with the event loop for the GIL for everything else, so its own
+bookkeeping per step is kept small: outputs waiting for an event loop that has not yet
+taken the previous ones join them without waking it again, and the statistics snapshot
+is refreshed at most every STATS_EVERY_S while the engine is busy (always once idle).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import contextlib
 import itertools
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
@@ -23,6 +29,15 @@ from engine.request import Priority, SamplingParams
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+# How stale the statistics snapshot may be while the engine is busy. Its readers (the
+# heartbeat's capacity report, metrics, admission's view of held work) look once a
+# second or so, and building it walks every held request: per step, at thousands of
+# steps a second, it cost more than the step's scheduling.
+STATS_EVERY_S = 0.005
+
+
+_Item = RequestOutput | BaseException  # what a stream's queue holds
 
 
 @dataclass
@@ -38,6 +53,10 @@ class _Add:
     params: SamplingParams
     priority: Priority | None
     resumed_token_ids: tuple[int, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.resumed_token_ids)
 
 
 @dataclass(frozen=True)
@@ -69,7 +88,11 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
         self._stats = engine.stats()
+        self._stats_at_s = time.monotonic()
         self._accepts: dict[int | None, bool] = {None: engine.can_accept()}
+        self._room = engine.newcomer_room()
+        # Items for each event loop that were handed off but that it has not taken yet.
+        self._handoffs: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, _Item]]] = {}
 
     # ----------------------------------------------------------------- properties
     @property
@@ -89,17 +112,29 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and self._dead is None
 
     def stats(self) -> EngineStats:
-        """A snapshot taken by the loop thread after its latest step."""
+        """A snapshot taken by the loop thread: after its latest step when idle, at most
+        STATS_EVERY_S old while it steps."""
         return self._stats
 
     def can_accept(self, rank: int | None = None) -> bool:
-        """Whether the engine wants one more request (of `rank`, if given) right now."""
+        """Whether the engine wants one more request (of `rank`, if given) right now.
+
+        Adds not yet taken by the loop thread count against the room the latest step left
+        (LLMEngine.newcomer_room): a dispatcher hands over a step's worth of newcomers at
+        once instead of one per step, which under a burst held the rest back in the queue
+        a whole step each."""
         if self._dead is not None:
             return False
         with self._lock:
-            pending = [c.priority for c in self._commands if isinstance(c, _Add)]
-        # Queued adds are newcomers the scheduler has not seen yet.
-        if pending and (rank is None or any(p is None or p.rank <= rank for p in pending)):
+            pending = [c for c in self._commands if isinstance(c, _Add)]
+        if not pending:
+            return self._accepts.get(rank, self._accepts[None])
+        num_seqs, num_tokens = self._room
+        if len(pending) < num_seqs and sum(c.num_tokens for c in pending) < num_tokens:
+            return True
+        # No room for plain newcomers: one of `rank` may still preempt worse work, unless
+        # a pending add of its rank or better would be first in line.
+        if rank is None or any(c.priority is None or c.priority.rank <= rank for c in pending):
             return False
         return self._accepts.get(rank, self._accepts[None])
 
@@ -269,13 +304,10 @@ class AsyncEngine:
             # Refused at add (for example a duplicate id): that caller alone gets it.
             stream = self._pop_stream(command.request_id)
             if stream is not None:
-                _send(stream, exc)
+                self._hand_off([(stream, exc)])
 
     def _deliver_all(self, outputs: list[RequestOutput]) -> None:
-        # One thread-safe hand-off per event loop per step, not one per output: each
-        # hand-off writes the loop's wake-up pipe, and a step yields an output for every
-        # running request.
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        items = []
         with self._lock:
             for output in outputs:
                 stream = self._streams.get(output.request_id)
@@ -283,14 +315,8 @@ class AsyncEngine:
                     continue  # the caller left; its abort command is on the way
                 if output.finished:
                     del self._streams[output.request_id]
-                by_loop.setdefault(stream.loop, []).append((stream, output))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # the callers' event loop is closed
-                for _, output in items:
-                    if not output.finished:
-                        self.abort(output.request_id)
+                items.append((stream, output))
+        self._hand_off(items)
 
     def _deliver(self, output: RequestOutput) -> None:
         with self._lock:
@@ -299,8 +325,44 @@ class AsyncEngine:
                 del self._streams[output.request_id]
         if stream is None:
             return  # the caller left; its abort command is on the way
-        if not _send(stream, output) and not output.finished:
-            self.abort(output.request_id)  # its event loop is gone
+        self._hand_off([(stream, output)])
+
+    def _hand_off(self, items: list[tuple[_Stream, _Item]]) -> None:
+        """Give each item to its stream on the stream's event loop, in order.
+
+        A loop is woken (a write to its wake-up pipe, and a GIL hand-over) only when
+        nothing already waits for it: a step yields an output for every running request,
+        and a loop busy elsewhere takes several steps' outputs in one go."""
+        to_wake = []
+        with self._lock:
+            for stream, item in items:
+                loop = stream.loop
+                waiting = self._handoffs.get(loop)
+                if waiting is None:
+                    self._handoffs[loop] = [(stream, item)]
+                    to_wake.append(loop)
+                else:
+                    waiting.append((stream, item))
+                    # A loop closed before taking what waited: found out below, its
+                    # requests aborted.
+                    if loop.is_closed() and loop not in to_wake:
+                        to_wake.append(loop)
+        for loop in to_wake:
+            try:
+                loop.call_soon_threadsafe(self._take_handoffs, loop)
+            except RuntimeError:  # the callers' event loop is closed
+                with self._lock:
+                    lost = self._handoffs.pop(loop, [])
+                for _, item in lost:
+                    if isinstance(item, RequestOutput) and not item.finished:
+                        self.abort(item.request_id)
+
+    def _take_handoffs(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Runs on `loop`: put everything handed off to it into its streams' queues."""
+        with self._lock:
+            items = self._handoffs.pop(loop, [])
+        for stream, item in items:
+            stream.queue.put_nowait(item)
 
     def _pop_stream(self, request_id: str) -> _Stream | None:
         with self._lock:
@@ -308,13 +370,17 @@ class AsyncEngine:
 
     def _snapshot(self) -> None:
         engine = self._engine
-        self._stats = engine.stats()
+        now_s = time.monotonic()
+        if now_s - self._stats_at_s >= STATS_EVERY_S or not engine.has_unfinished():
+            self._stats = engine.stats()
+            self._stats_at_s = now_s
         ranks = {r.priority.rank for r in engine.scheduler.running}
         ranks |= {r.priority.rank for r in engine.scheduler.waiting}
         accepts: dict[int | None, bool] = {None: engine.can_accept()}
         for rank in ranks:
             accepts[rank] = engine.can_accept(rank)
         self._accepts = accepts
+        self._room = engine.newcomer_room()
 
     def _die(self, error: EngineDeadError) -> None:
         with self._lock:
@@ -322,19 +388,4 @@ class AsyncEngine:
                 self._dead = error
             streams, self._streams = list(self._streams.values()), {}
             self._commands = []
-        for stream in streams:
-            _send(stream, error)
-
-
-def _put_all(items: list[tuple[_Stream, RequestOutput]]) -> None:
-    """Runs on the callers' event loop: hand each output to its stream."""
-    for stream, output in items:
-        stream.queue.put_nowait(output)
-
-
-def _send(stream: _Stream, item: RequestOutput | BaseException) -> bool:
-    try:
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
-    except RuntimeError:  # the caller's event loop is closed
-        return False
-    return True
+        self._hand_off([(stream, error) for stream in streams])

@@ -214,6 +214,9 @@ class LLMEngine:
     def can_accept(self, rank: int | None = None) -> bool:
         return self.scheduler.can_accept(rank)
 
+    def newcomer_room(self) -> tuple[int, int]:
+        return self.scheduler.newcomer_room()
+
     # ----------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns an output for every request that made a token."""

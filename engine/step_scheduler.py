@@ -253,6 +253,26 @@ class StepScheduler:
             return False
         return any(r.priority.preemptible and r.priority.rank > rank for r in self._running)
 
+    def newcomer_room(self) -> tuple[int, int]:
+        """(requests, prompt tokens) the next step could start on if they arrived now: what
+        a dispatcher may hand over between two steps. (0, 0) unless can_accept().
+
+        Bounded by the free sequence slots, the step's token budget left after the running
+        requests' decodes, and the free blocks above the watermark. Newcomers beyond what
+        the step then admits wait inside the engine, and can_accept() says no until they
+        are in: at most one step's worth of work leaves the fair-share queue early.
+        """
+        if not self.can_accept():
+            return 0, 0
+        config = self.config
+        num_running = len(self._running)
+        num_free_blocks = self.block_manager.num_free_blocks - config.watermark_blocks
+        num_tokens = min(
+            config.max_num_batched_tokens - num_running,
+            num_free_blocks * self.block_manager.block_size,
+        )
+        return config.max_num_seqs - num_running, max(num_tokens, 0)
+
     # ----------------------------------------------------------------- mutators
 
     def add(self, request: Request) -> None:

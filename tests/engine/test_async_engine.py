@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -145,6 +146,55 @@ async def test_can_accept_and_properties(engine: AsyncEngine) -> None:
     assert engine.model_name == "tiny-random"
     assert engine.max_model_len == 1024
     assert engine.tokenizer.decode(engine.tokenizer.encode("hello")) == "hello"
+
+
+async def test_pending_adds_count_against_the_room_the_last_step_left() -> None:
+    # Not started: adds stay pending, as they do while the loop thread is busy.
+    engine = AsyncEngine(EngineConfig(device="cpu", max_num_seqs=3, kv_cache_bytes=2**21))
+    try:
+        streams = [engine.generate([5, 6, 7], GREEDY, request_id=f"r{i}") for i in range(3)]
+        tasks = []
+        for stream in streams:
+            assert engine.can_accept(), "a burst is handed over up to the free slots"
+            tasks.append(asyncio.create_task(anext(stream)))
+            await asyncio.sleep(0)  # the add is made, and waits for the loop thread
+        assert not engine.can_accept(), "three pending adds fill three slots"
+        assert not engine.can_accept(rank=0)
+        engine.start()
+        for task in tasks:
+            assert (await task).new_token_ids
+        for stream in streams:
+            await stream.aclose()
+    finally:
+        engine.shutdown()
+
+
+async def test_outputs_wait_for_a_busy_event_loop_and_arrive_in_order(
+    engine: AsyncEngine,
+) -> None:
+    loop = asyncio.get_running_loop()
+    wakes = 0
+    call_soon_threadsafe = loop.call_soon_threadsafe
+
+    def counting(*args, **kwargs):
+        nonlocal wakes
+        wakes += 1
+        return call_soon_threadsafe(*args, **kwargs)
+
+    loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+    try:
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        stream = engine.generate([3, 4, 5], params)
+        first = await anext(stream)
+        time.sleep(0.5)  # noqa: ASYNC251 (on purpose: the loop is busy while the engine runs)
+        outputs = [first] + [o async for o in stream]
+    finally:
+        del loop.call_soon_threadsafe
+    assert len(outputs) == 24
+    assert outputs[-1].finished
+    assert [t for o in outputs for t in o.new_token_ids] == outputs[-1].token_ids
+    # The 23 outputs made while the loop was busy woke it about once, not 23 times.
+    assert wakes <= 4, wakes
 
 
 async def test_shutdown_stops_the_loop_and_fails_waiters() -> None:

@@ -267,6 +267,32 @@ def test_max_num_seqs_limits_running() -> None:
     assert len(runner.finished) == 3
 
 
+def test_newcomer_room_is_what_the_next_step_can_start() -> None:
+    scheduler = new_scheduler(
+        num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=32, watermark_blocks=2
+    )
+    runner = SimRunner(scheduler)
+    # Empty: every slot, and the budget (14 free blocks above the watermark hold 56).
+    assert scheduler.newcomer_room() == (4, 32)
+    for i in range(3):
+        scheduler.add(make_request(f"r{i}", [i] * 5, max_tokens=8))
+    # Newcomers waiting: no room until the step has taken them.
+    assert not scheduler.can_accept()
+    assert scheduler.newcomer_room() == (0, 0)
+    runner.step()
+    assert scheduler.num_running == 3
+    assert scheduler.num_waiting == 0
+    # One slot left; the budget after three decodes (8 blocks above the watermark hold 32).
+    assert scheduler.newcomer_room() == (1, 29)
+    scheduler.add(make_request("r3", [3] * 30, max_tokens=8))
+    runner.step()
+    # Full: no slot, so no room whatever the budget and the blocks.
+    assert scheduler.num_running == 4
+    assert scheduler.newcomer_room() == (0, 0)
+    runner.drain()
+    assert scheduler.newcomer_room() == (4, 32)
+
+
 def test_prefix_cache_hit_skips_computed_blocks() -> None:
     scheduler = new_scheduler(num_blocks=32, block_size=4)
     runner = SimRunner(scheduler)
