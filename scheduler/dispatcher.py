@@ -421,8 +421,12 @@ async def _batches(outputs: AsyncIterator[Any]) -> AsyncIterator[list[Any]]:
 
 
 async def _wait(event: asyncio.Event, timeout_ms: float) -> None:
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(event.wait(), timeout_ms / 1000.0)
+    # asyncio.timeout, not wait_for: the leasing loop waits here about twice a job, and
+    # wait_for wraps each wait in a task of its own.
+    if not event.is_set():
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_ms / 1000.0):
+                await event.wait()
     event.clear()
 
 

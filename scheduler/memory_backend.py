@@ -130,8 +130,8 @@ class _Stream:
     events: list[ResultEvent] = field(default_factory=list)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def append(self, event: ResultEvent) -> None:
-        self.events.append(replace(event, cursor=str(len(self.events) + 1)))
+    def append(self, kind: EventKind, **fields: Any) -> None:
+        self.events.append(ResultEvent(kind, cursor=str(len(self.events) + 1), **fields))
         self.changed.set()
         self.changed = asyncio.Event()
 
@@ -316,9 +316,7 @@ class MemoryBackend:
             num_dropped += 1
             self._unqueue(entry)
             self._stream(job_id).append(
-                ResultEvent(
-                    EventKind.ERROR, code=QUEUE_TIMEOUT, message="queued longer than max_queue_ms"
-                )
+                EventKind.ERROR, code=QUEUE_TIMEOUT, message="queued longer than max_queue_ms"
             )
             self._finish(entry, JobStatus.DROPPED, now_ms)
 
@@ -606,9 +604,7 @@ class MemoryBackend:
     ) -> bool:
         if self._owned(job_id, worker_id) is None:
             return False
-        self._stream(job_id).append(
-            ResultEvent(EventKind.TOKENS, token_ids=tuple(token_ids), text=text)
-        )
+        self._stream(job_id).append(EventKind.TOKENS, token_ids=tuple(token_ids), text=text)
         return True
 
     async def complete(
@@ -617,7 +613,7 @@ class MemoryBackend:
         entry = self._owned(job_id, worker_id)
         if entry is None:
             return False
-        self._stream(job_id).append(ResultEvent(EventKind.DONE, finish_reason=finish_reason))
+        self._stream(job_id).append(EventKind.DONE, finish_reason=finish_reason)
         self._finish(entry, JobStatus.DONE, self._clock_ms())
         return True
 
@@ -627,7 +623,7 @@ class MemoryBackend:
         entry = self._owned(job_id, worker_id)
         if entry is None:
             return False
-        self._stream(job_id).append(ResultEvent(EventKind.ERROR, code=code, message=message))
+        self._stream(job_id).append(EventKind.ERROR, code=code, message=message)
         self._finish(entry, JobStatus.FAILED, self._clock_ms())
         return True
 
