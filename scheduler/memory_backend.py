@@ -133,7 +133,8 @@ class _Stream:
     def append(self, kind: EventKind, **fields: Any) -> None:
         self.events.append(ResultEvent(kind, cursor=str(len(self.events) + 1), **fields))
         self.changed.set()
-        self.changed = asyncio.Event()
+        if kind is EventKind.TOKENS:  # after the last event nobody waits for another
+            self.changed = asyncio.Event()
 
 
 class MemoryBackend:
@@ -158,7 +159,13 @@ class MemoryBackend:
         self._finished_result_ttl_ms = min(finished_result_ttl_ms, finished_ttl_ms)
         self._tier_configs: dict[str, TierConfig] = {}
         self._tiers: dict[str, _Tier] = {}
-        self._entries: dict[str, _Entry] = {}
+        self._entries: dict[str, _Entry] = {}  # queued and leased jobs
+        # Finished jobs, kept finished_ttl_ms for job_status, duplicate ids and late
+        # charges: (status, tier, tenant, weight), plain strings and a number. At a few
+        # hundred requests a second an hour of them is a million entries: as tuples of
+        # atomic values the garbage collector stops tracking them, while the queue's
+        # entries (three objects a job) made every full collection walk them all.
+        self._finished: dict[str, tuple[str, str, str, float]] = {}
         self._streams: dict[str, _Stream] = {}
         self._seq = 0
         self._expiries: list[tuple[int, str]] = []
@@ -221,7 +228,7 @@ class MemoryBackend:
         config = self._tier_configs.get(job.tier)
         if config is None:
             raise UnknownTierError(job.tier)
-        if job.job_id in self._entries:
+        if job.job_id in self._entries or job.job_id in self._finished:
             raise DuplicateJobError(job.job_id)
         tier = self._tier(job.tier)
         if config.max_queued_jobs is not None and tier.num_jobs >= config.max_queued_jobs:
@@ -290,7 +297,7 @@ class MemoryBackend:
         tier.floor = counter
         if not entry.is_input_charged:
             entry.is_input_charged = True
-            self._charge(entry, job.num_prompt_tokens, 0, now_ms)
+            self._charge(job.tier, job.tenant_id, job.weight, job.num_prompt_tokens, 0, now_ms)
         entry.status = JobStatus.LEASED
         entry.worker_id = worker_id
         entry.lease_until_ms = now_ms + lease_ms
@@ -359,14 +366,21 @@ class MemoryBackend:
         assert low is not None  # a tier with queued jobs has a backlogged tenant
         return best.queues[low[1]].head()
 
-    def _charge(self, entry: _Entry, input_tokens: int, output_tokens: int, now_ms: int) -> None:
-        job = entry.job
-        tier = self._tier(job.tier)
-        cost = policy.charge_cost(input_tokens, output_tokens, job.weight, self._config)
-        counter = tier.counters.get(job.tenant_id, 0.0) + cost
-        tier.counters[job.tenant_id] = counter
-        if job.tenant_id in tier.active:
-            tier.set_active(job.tenant_id, counter)
+    def _charge(
+        self,
+        tier_name: str,
+        tenant_id: str,
+        weight: float,
+        input_tokens: int,
+        output_tokens: int,
+        now_ms: int,
+    ) -> None:
+        tier = self._tier(tier_name)
+        cost = policy.charge_cost(input_tokens, output_tokens, weight, self._config)
+        counter = tier.counters.get(tenant_id, 0.0) + cost
+        tier.counters[tenant_id] = counter
+        if tenant_id in tier.active:
+            tier.set_active(tenant_id, counter)
         bucket = now_ms // self._bucket_ms  # policy.share_bucket
         tokens = input_tokens + output_tokens
         tier.share.add(bucket, tokens)
@@ -374,9 +388,14 @@ class MemoryBackend:
 
     async def charge(self, job_id: str, *, input_tokens: int = 0, output_tokens: int = 0) -> bool:
         entry = self._entries.get(job_id)
-        if entry is None:
+        if entry is not None:
+            job = entry.job
+            tier_name, tenant_id, weight = job.tier, job.tenant_id, job.weight
+        elif job_id in self._finished:  # a late charge of a finished job still counts
+            _, tier_name, tenant_id, weight = self._finished[job_id]
+        else:
             return False
-        self._charge(entry, input_tokens, output_tokens, self._clock_ms())
+        self._charge(tier_name, tenant_id, weight, input_tokens, output_tokens, self._clock_ms())
         return True
 
     async def renew(self, worker_id: str, job_id: str, lease_ms: int) -> bool:
@@ -439,19 +458,19 @@ class MemoryBackend:
     async def job_status(self, job_id: str) -> JobStatus | None:
         self._purge(self._clock_ms())
         entry = self._entries.get(job_id)
-        return None if entry is None else entry.status
+        if entry is not None:
+            return entry.status
+        finished = self._finished.get(job_id)
+        return None if finished is None else JobStatus(finished[0])
 
     def _finish(self, entry: _Entry, status: JobStatus, now_ms: int) -> None:
+        job = entry.job
+        # The prompt goes with the entry (as the Redis backend empties the job's payload).
+        del self._entries[job.job_id]
         entry.status = status
-        entry.worker_id = ""
-        # What is kept for status and duplicate checks need not hold the prompt for an
-        # hour (as the Redis backend empties the job's payload).
-        entry.job = replace(entry.job, prompt_token_ids=(), resumed_token_ids=())
-        entry.resumed_token_ids = ()
-        heapq.heappush(self._purges, (now_ms + self._finished_ttl_ms, entry.job.job_id))
-        heapq.heappush(
-            self._result_purges, (now_ms + self._finished_result_ttl_ms, entry.job.job_id)
-        )
+        self._finished[job.job_id] = (status.value, job.tier, job.tenant_id, job.weight)
+        heapq.heappush(self._purges, (now_ms + self._finished_ttl_ms, job.job_id))
+        heapq.heappush(self._result_purges, (now_ms + self._finished_result_ttl_ms, job.job_id))
 
     def _purge(self, now_ms: int) -> None:
         while self._result_purges and self._result_purges[0][0] <= now_ms:
@@ -459,7 +478,7 @@ class MemoryBackend:
             self._streams.pop(job_id, None)  # the entry stays: a job id is never reused
         while self._purges and self._purges[0][0] <= now_ms:
             _, job_id = heapq.heappop(self._purges)
-            self._entries.pop(job_id, None)
+            self._finished.pop(job_id, None)
             self._streams.pop(job_id, None)
 
     # -- stats and admission inputs ----------------------------------------------------
