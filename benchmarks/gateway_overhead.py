@@ -75,7 +75,7 @@ def _serve_gateway(
         redis_url=redis_url,
         redis_prefix=redis_prefix,
     )
-    app = build_app(settings, engine=_null_engine(), freeze_heap=True)  # as the CLI does
+    app = build_app(settings, engine=_null_engine(), prepare_heap=True)  # as the CLI does
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 

@@ -48,7 +48,7 @@ from gateway.errors import (
     register_error,
 )
 from gateway.health import health_routes
-from gateway.heap import freeze_startup_heap
+from gateway.heap import prepare_heap_for_serving
 from gateway.middleware import GatewayMiddleware
 from gateway.migrate import upgrade_to_head
 from gateway.observability import Telemetry, TelemetryConfig, TelemetryMiddleware, metrics_routes
@@ -110,7 +110,7 @@ def build_app(
     engine: EngineLike | None = None,
     telemetry_config: TelemetryConfig | None = None,
     with_engine: bool = True,
-    freeze_heap: bool = False,
+    prepare_heap: bool = False,
 ) -> Starlette:
     """The gateway app for `settings`.
 
@@ -119,8 +119,9 @@ def build_app(
     `telemetry_config` defaults to the standard OTEL_* variables. With
     `with_engine=False` (`tiergate gateway`) the process runs no engine: it loads only
     the tokenizer and leaves the queued work to `tiergate worker` processes.
-    `freeze_heap` (the serving commands; not apps built by tests, many to a process)
-    freezes what start-up built, once it is built (gateway.heap).
+    `prepare_heap` (the serving commands; not apps built by tests, many to a process)
+    freezes what start-up built, once it is built, and raises the collector's young
+    threshold (gateway.heap).
     """
     deferred = _DeferredRoutes()
     telemetry = Telemetry(telemetry_config or TelemetryConfig.from_env())
@@ -132,8 +133,8 @@ def build_app(
             deferred.router = await _build_router(
                 settings, engine, telemetry, stack, with_engine=with_engine
             )
-            if freeze_heap:
-                freeze_startup_heap()
+            if prepare_heap:
+                prepare_heap_for_serving()
             try:
                 yield
             finally:

@@ -211,7 +211,7 @@ def _serve(args: argparse.Namespace) -> int:
         if generated:
             settings = settings.with_overrides(admin_token=secrets.token_urlsafe(32))
         print(_demo_banner(settings, asyncio.run(_demo_tenants(settings)), generated), flush=True)
-    app = build_app(settings, freeze_heap=True)
+    app = build_app(settings, prepare_heap=True)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", access_log=False)
     return 0
 
@@ -225,14 +225,14 @@ def _gateway(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     if not settings.redis_url:
         raise SettingsError("tiergate gateway needs TIERGATE_REDIS_URL (or --redis-url)")
-    app = build_app(settings, with_engine=False, freeze_heap=True)
+    app = build_app(settings, with_engine=False, prepare_heap=True)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", access_log=False)
     return 0
 
 
 def _worker(args: argparse.Namespace) -> int:
     from gateway.app import build_engine
-    from gateway.heap import freeze_startup_heap
+    from gateway.heap import prepare_heap_for_serving
     from gateway.queue_setup import build_queue
     from scheduler.dispatcher import DispatcherConfig
     from scheduler.worker import run_worker, stop_on_signals
@@ -254,7 +254,7 @@ def _worker(args: argparse.Namespace) -> int:
         stop = asyncio.Event()
         stop_on_signals(stop)
         engine = await asyncio.to_thread(build_engine, settings)
-        freeze_startup_heap()
+        prepare_heap_for_serving()
         try:
             await run_worker(queue.backend, engine, stop, worker_id=args.worker_id, config=config)
         finally:

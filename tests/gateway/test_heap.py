@@ -1,4 +1,4 @@
-"""freeze_startup_heap: what exists at start-up leaves the collector's generations."""
+"""prepare_heap_for_serving: what exists at start-up leaves the collector's generations."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import gc
 import warnings
 import weakref
 
-from gateway.heap import freeze_startup_heap
+from gateway.heap import SERVING_GC_THRESHOLDS, prepare_heap_for_serving
 
 
 class _Node:
@@ -28,13 +28,16 @@ def test_freeze_moves_live_objects_out_of_the_generations_and_collects_the_dead(
     cycle.self = cycle  # type: ignore[attr-defined]  # only the collector can free it
     dead = weakref.ref(cycle)
     del cycle
+    thresholds = gc.get_threshold()
     try:
-        num_frozen = freeze_startup_heap()
+        num_frozen = prepare_heap_for_serving()
         assert num_frozen == gc.get_freeze_count() > 0
         assert dead() is None  # collected first, not frozen for good
         assert not _is_tracked_in_a_generation(survivor)
         after: list[object] = []
         assert _is_tracked_in_a_generation(after)  # new objects are collected as before
+        assert gc.get_threshold() == SERVING_GC_THRESHOLDS
     finally:
         gc.unfreeze()
+        gc.set_threshold(*thresholds)
     assert _is_tracked_in_a_generation(survivor)
