@@ -135,6 +135,9 @@ class SimEngine:
     def can_accept(self, rank: int | None = None) -> bool:
         return self.scheduler.can_accept(rank if self.mode.use_ranks else None)
 
+    def newcomer_room(self) -> tuple[int, int]:
+        return self.scheduler.newcomer_room()
+
     @property
     def num_requests(self) -> int:
         return self.scheduler.num_running + self.scheduler.num_waiting

@@ -2,9 +2,9 @@
 
 Events are arrivals (drawn lazily from the workload), step ends (one heap entry per busy
 engine) and periodic samples of who is backlogged. Between events nothing happens, so
-the clock jumps. An engine that ends a step pulls queued jobs while its step scheduler
-`can_accept()` (as a worker's dispatcher does), then plans its next step; an idle engine
-is woken by an arrival.
+the clock jumps. An engine that ends a step pulls the queued jobs its step scheduler's
+`newcomer_room()` has room for, then more while it `can_accept()` (as a worker's
+dispatcher does), then plans its next step; an idle engine is woken by an arrival.
 """
 
 from __future__ import annotations
@@ -323,15 +323,20 @@ class _Fleet:
             self.cut_run(now_s)
 
     def pull(self, engine: SimEngine, now_s: float) -> None:
-        """What a worker's dispatcher does: lease jobs while the engine has room."""
+        """What a worker's dispatcher does: lease a step's worth of newcomers at once
+        (the room the engine's last step left, as AsyncEngine.can_accept counts it), then
+        more while the engine still has room."""
         queue = self.queue
-        while len(queue) and engine.can_accept():
+        num_seqs, num_tokens = engine.newcomer_room()
+        while len(queue) and ((num_seqs > 0 and num_tokens > 0) or engine.can_accept()):
             job = queue.pop(now_s)
             if job is None:
                 break
             record = self.queued.pop(job.job_id)
             record.dispatch_s = now_s
             req = record.request
+            num_seqs -= 1
+            num_tokens -= req.num_prompt_tokens
             try:
                 request = engine.add(
                     job.job_id,
