@@ -475,7 +475,7 @@ class MemoryBackend:
     def _purge(self, now_ms: int) -> None:
         while self._result_purges and self._result_purges[0][0] <= now_ms:
             _, job_id = heapq.heappop(self._result_purges)
-            self._streams.pop(job_id, None)  # the entry stays: a job id is never reused
+            self._streams.pop(job_id, None)  # the job stays in _finished: an id is never reused
         while self._purges and self._purges[0][0] <= now_ms:
             _, job_id = heapq.heappop(self._purges)
             self._finished.pop(job_id, None)
