@@ -8,6 +8,10 @@ timeline) and, a batch at a time, pickles them into a datagram to a child proces
 (`main` below), which cuts them into spans, encodes them and posts them over OTLP/HTTP
 on another core. The child reads the same OTEL_EXPORTER_OTLP_* variables.
 
+The child runs at a lower CPU priority (EXPORT_NICENESS): on a machine whose cores the
+gateway keeps busy, exporting is what waits, not serving. It needs a few percent of a
+core, which it still gets.
+
 A datagram socket pair, non-blocking on the gateway's side: a batch goes whole or not
 at all, and a child that falls behind costs dropped spans (counted, as the SDK's batch
 processor drops them when its queue is full), never a blocked event loop. The child
@@ -39,6 +43,7 @@ MAX_DATAGRAM_BYTES = 60_000  # well under the socket buffer; a bigger batch is s
 SOCKET_BUFFER_BYTES = 4 * 2**20
 DROP_WARNING_INTERVAL_S = 10.0
 MAX_REQUESTS_PER_POST = 1024  # what the child gathers into one export request
+EXPORT_NICENESS = 10  # added to the child's nice value: about a tenth of a busy core's share
 _END = b"end"  # the gateway's last datagram: export what is left, then exit
 _CHILD = "import sys; from gateway.observability.span_export import main; sys.exit(main())"
 
@@ -218,6 +223,10 @@ def _post(
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.WARNING, format="span-export: %(message)s")
+    try:
+        os.nice(EXPORT_NICENESS)
+    except OSError as exc:  # not allowed here: export at the gateway's priority
+        log.warning("could not lower the export process's priority (%s)", exc)
     sock = socket.socket(fileno=int(argv[0]))
     exporter = OtlpHttpSpanExporter()
     try:

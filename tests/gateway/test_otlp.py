@@ -30,7 +30,7 @@ from gateway.observability.otlp import (
     encode_spans,
     parse_headers,
 )
-from gateway.observability.span_export import ProcessSpanSink
+from gateway.observability.span_export import EXPORT_NICENESS, ProcessSpanSink
 from gateway.observability.tracing import TraceRecord
 from tests.gateway.conftest import ServerThread
 
@@ -240,6 +240,14 @@ def test_export_process_delivers_every_span_and_stops(receiver: Receiver) -> Non
     }
     sink = ProcessSpanSink(RESOURCE, SCOPES[0], environ)
     assert sink.batch_size == 100
+    # Serving comes first: the child exports at a lower CPU priority than the gateway.
+    deadline = time.monotonic() + 20
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    while own < 19 and os.getpriority(os.PRIO_PROCESS, sink._process.pid) == own:
+        assert time.monotonic() < deadline, "the export process kept the gateway's priority"
+        time.sleep(0.05)
+    expected = min(own + EXPORT_NICENESS, 19)  # nice values stop at 19
+    assert os.getpriority(os.PRIO_PROCESS, sink._process.pid) == expected
     for record in _records(250):  # two full batches go at once, the rest on the timer
         sink.add(record)
     deadline = time.monotonic() + 20
