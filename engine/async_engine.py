@@ -125,8 +125,7 @@ class AsyncEngine:
         a whole step each."""
         if self._dead is not None:
             return False
-        with self._lock:
-            pending = [c for c in self._commands if isinstance(c, _Add)]
+        pending = self._pending_adds()
         if not pending:
             return self._accepts.get(rank, self._accepts[None])
         num_seqs, num_tokens = self._room
@@ -137,6 +136,20 @@ class AsyncEngine:
         if rank is None or any(c.priority is None or c.priority.rank <= rank for c in pending):
             return False
         return self._accepts.get(rank, self._accepts[None])
+
+    def newcomer_room(self) -> tuple[int, int]:
+        """(requests, prompt tokens) the engine would still take as newcomers: the room
+        its latest step left (LLMEngine.newcomer_room) less the adds not yet taken."""
+        if self._dead is not None:
+            return 0, 0
+        pending = self._pending_adds()
+        num_seqs, num_tokens = self._room
+        num_pending_tokens = sum(c.num_tokens for c in pending)
+        return max(0, num_seqs - len(pending)), max(0, num_tokens - num_pending_tokens)
+
+    def _pending_adds(self) -> list[_Add]:
+        with self._lock:
+            return [c for c in self._commands if isinstance(c, _Add)]
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> None:

@@ -1,8 +1,10 @@
 """Feeds jobs from the shared queue to a local engine and publishes their results.
 
 A worker (or the one-process `serve`) runs one Dispatcher next to its engine. It leases
-a job from the queue only when the engine says it can take one more, so the queue (not
-the engine's waiting list) holds the backlog and decides the order. Each job runs with
+jobs from the queue only when the engine says it can take more, as many in one call as
+the engine has room for newcomers (`newcomer_room`, when the engine and the queue offer
+it), so the queue (not the engine's waiting list) holds the backlog and decides the
+order. Each job runs with
 its tier's rank and preemptibility, so the engine preempts worse-rank work for a better
 rank arrival. Tokens go to the job's result channel as they are generated and are
 charged to the tenant's fair-share counter; the job ends with complete or fail.
@@ -57,7 +59,8 @@ class EngineLike(Protocol):
     def abort(self, request_id: str) -> Any: ...
 
     # Optional: `generate_batches`, the same outputs gathered into lists (AsyncEngine has
-    # it); without it the dispatcher gathers them with a task of its own (_batches).
+    # it); without it the dispatcher gathers them with a task of its own (_batches). And
+    # `newcomer_room`: without it the dispatcher leases one job at a time.
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,7 @@ class DispatcherConfig:
     idle_poll_ms: float = 10.0  # an empty queue is looked at again after this
     full_poll_ms: float = 2.0  # a full engine is asked again after this (or a step)
     rank_check_ms: float = 50.0  # how often a full engine looks for better-rank work
+    max_jobs_per_lease: int = 64  # jobs leased in one call, when the engine has room for them
     default_prefill_tokens_per_s: float = 2_000.0
     default_decode_tokens_per_s: float = 200.0
     drain_timeout_s: float = 30.0
@@ -205,21 +209,42 @@ class Dispatcher:
                 await _wait(self._capacity_freed, config.full_poll_ms)
                 continue
             self._wake.clear()
+            num_wanted = self._num_to_lease()
             try:
-                job = await self._backend.dispatch(self.worker_id, config.lease_ms)
+                jobs = await self._lease(num_wanted)
             except BackendUnavailableError as exc:
                 log.warning("cannot lease work: %s", exc)
                 await asyncio.sleep(0.5)
                 continue
-            if job is None:
+            for job in jobs:
+                self.num_dispatched += 1
+                running = _Running(job, list(job.resumed_token_ids))
+                running.task = asyncio.create_task(self._drive(running), name=f"job-{job.job_id}")
+                self._running[job.job_id] = running
+            if len(jobs) < num_wanted:
+                # The queue ran dry: asking again at once would only find it empty.
                 await _wait(self._wake, config.idle_poll_ms)
                 continue
-            self.num_dispatched += 1
-            running = _Running(job, list(job.resumed_token_ids))
-            running.task = asyncio.create_task(self._drive(running), name=f"job-{job.job_id}")
-            self._running[job.job_id] = running
-            # Let the job reach the engine before asking it about capacity again.
+            # Let the jobs reach the engine before asking it about capacity again.
             await asyncio.sleep(0)
+
+    def _num_to_lease(self) -> int:
+        """As many jobs as the engine has room for newcomers (one when it only takes a
+        better rank's work, or cannot say), up to max_jobs_per_lease."""
+        room = getattr(self._engine, "newcomer_room", None)
+        if not callable(room) or not hasattr(self._backend, "dispatch_many"):
+            return 1
+        num_seqs, _ = room()
+        return max(1, min(num_seqs, self._config.max_jobs_per_lease))
+
+    async def _lease(self, num_jobs: int) -> list[Job]:
+        """Up to `num_jobs` jobs in policy order, in one call to the queue."""
+        lease_ms = self._config.lease_ms
+        if num_jobs > 1:  # _num_to_lease asks for more only of a backend that offers it
+            dispatch_many = self._backend.dispatch_many  # type: ignore[attr-defined]
+            return list(await dispatch_many(self.worker_id, lease_ms, num_jobs))
+        job = await self._backend.dispatch(self.worker_id, lease_ms)
+        return [] if job is None else [job]
 
     async def _engine_can_take(self) -> bool:
         if self._engine.can_accept():

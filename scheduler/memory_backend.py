@@ -282,6 +282,16 @@ class MemoryBackend:
             del tier.queues[job.tenant_id]
             del tier.active[job.tenant_id]
 
+    async def dispatch_many(self, worker_id: str, lease_ms: int, num_jobs: int) -> list[Job]:
+        """Up to num_jobs dispatches in policy order (fewer when the queue runs dry)."""
+        jobs = []
+        for _ in range(num_jobs):
+            job = await self.dispatch(worker_id, lease_ms)
+            if job is None:
+                break
+            jobs.append(job)
+        return jobs
+
     async def dispatch(self, worker_id: str, lease_ms: int) -> Job | None:
         now_ms = self._clock_ms()
         self._purge(now_ms)

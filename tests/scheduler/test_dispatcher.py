@@ -227,3 +227,65 @@ async def test_closed_client_fails_open_streams_and_refuses_new_jobs() -> None:
     with pytest.raises(EngineDeadError):
         jobs.submit(_job("late", 2, 2))
     assert await backend.job_status("waiting") is JobStatus.CANCELLED
+
+
+class CountingBackend(MemoryBackend):
+    """The in-memory queue, counting the dispatcher's calls and the jobs each returned."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.leases: list[tuple[str, int]] = []
+        self.short_at: list[tuple[float, float]] = []  # a call that came back short, the next
+
+    def _note(self, name: str, num_asked: int, num_got: int) -> None:
+        now = time.monotonic()
+        if self.short_at and self.short_at[-1][1] == 0.0:
+            self.short_at[-1] = (self.short_at[-1][0], now)
+        if num_got < num_asked:
+            self.short_at.append((now, 0.0))
+        self.leases.append((name, num_got))
+
+    async def dispatch(self, worker_id: str, lease_ms: int):
+        job = await super().dispatch(worker_id, lease_ms)
+        self._note("dispatch", 1, int(job is not None))
+        return job
+
+    async def dispatch_many(self, worker_id: str, lease_ms: int, num_jobs: int):
+        jobs = []
+        for _ in range(num_jobs):  # not through dispatch: one call is one call
+            job = await super().dispatch(worker_id, lease_ms)
+            if job is None:
+                break
+            jobs.append(job)
+        self._note("dispatch_many", num_jobs, len(jobs))
+        return jobs
+
+
+async def test_a_burst_is_leased_in_one_call_up_to_the_engines_room() -> None:
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+
+    engine = AsyncEngine(
+        EngineConfig(model="tiny-random", device="cpu", max_num_seqs=4, max_model_len=128)
+    )
+    engine.start()
+    backend = CountingBackend(TIERS)
+    dispatcher = Dispatcher(backend, engine, config=FAST)
+    jobs = JobClient(backend, on_enqueue=dispatcher.notify)
+    try:
+        streams = [await jobs.submit_and_wait(_job(f"j{i}", 2, 4)) for i in range(6)]
+        dispatcher.start()
+        results = await asyncio.gather(*(_drain(s) for s in streams))
+        assert all(r[-1].finished for r in results)
+        # Four slots: the first call leases four jobs, a later one the other two.
+        assert backend.leases[0] == ("dispatch_many", 4)
+        assert sum(n for _, n in backend.leases) == 6
+        # A call that came back short (the queue ran dry) is followed by the next one
+        # only after the idle poll, not at once.
+        gaps = [after - short for short, after in backend.short_at if after]
+        assert gaps
+        assert min(gaps) >= 0.9 * FAST.idle_poll_ms / 1000, gaps
+    finally:
+        await dispatcher.aclose(0)
+        await jobs.aclose()
+        engine.shutdown()
