@@ -4,10 +4,10 @@ A worker (or the one-process `serve`) runs one Dispatcher next to its engine. It
 jobs from the queue only when the engine says it can take more, as many in one call as
 the engine has room for newcomers (`newcomer_room`, when the engine and the queue offer
 it), so the queue (not the engine's waiting list) holds the backlog and decides the
-order. Each job runs with
-its tier's rank and preemptibility, so the engine preempts worse-rank work for a better
-rank arrival. Tokens go to the job's result channel as they are generated and are
-charged to the tenant's fair-share counter; the job ends with complete or fail.
+order. Each job runs with its tier's rank and preemptibility, so the engine preempts
+worse-rank work for a better rank arrival. Tokens go to the job's result channel as they
+are generated and are charged to the tenant's fair-share counter; the job ends with
+complete or fail.
 
 In the background the dispatcher renews its leases (a job whose lease it lost, because
 the client cancelled or another worker reclaimed it, is aborted in the engine), requeues
