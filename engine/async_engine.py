@@ -128,8 +128,8 @@ class AsyncEngine:
         pending = self._pending_adds()
         if not pending:
             return self._accepts.get(rank, self._accepts[None])
-        num_seqs, num_tokens = self._room
-        if len(pending) < num_seqs and sum(c.num_tokens for c in pending) < num_tokens:
+        num_seqs, num_tokens = self._room_left(pending)
+        if num_seqs > 0 and num_tokens > 0:
             return True
         # No room for plain newcomers: one of `rank` may still preempt worse work, unless
         # a pending add of its rank or better would be first in line.
@@ -142,7 +142,9 @@ class AsyncEngine:
         its latest step left (LLMEngine.newcomer_room) less the adds not yet taken."""
         if self._dead is not None:
             return 0, 0
-        pending = self._pending_adds()
+        return self._room_left(self._pending_adds())
+
+    def _room_left(self, pending: list[_Add]) -> tuple[int, int]:
         num_seqs, num_tokens = self._room
         num_pending_tokens = sum(c.num_tokens for c in pending)
         return max(0, num_seqs - len(pending)), max(0, num_tokens - num_pending_tokens)

@@ -209,6 +209,11 @@ class QueueBackend(Protocol):
         """
         ...
 
+    async def dispatch_many(self, worker_id: str, lease_ms: int, num_jobs: int) -> list[Job]:
+        """Up to num_jobs dispatches in policy order, each as `dispatch` would make it at
+        the same moment (fewer when the queue runs dry), in one call."""
+        ...
+
     async def charge(self, job_id: str, *, input_tokens: int = 0, output_tokens: int = 0) -> bool:
         """Add served tokens to the tenant's counter and the tier's share window."""
         ...

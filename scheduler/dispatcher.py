@@ -2,8 +2,8 @@
 
 A worker (or the one-process `serve`) runs one Dispatcher next to its engine. It leases
 jobs from the queue only when the engine says it can take more, as many in one call as
-the engine has room for newcomers (`newcomer_room`, when the engine and the queue offer
-it), so the queue (not the engine's waiting list) holds the backlog and decides the
+the engine has room for newcomers (`newcomer_room`, when the engine offers it), so the
+queue (not the engine's waiting list) holds the backlog and decides the
 order. Each job runs with its tier's rank and preemptibility, so the engine preempts
 worse-rank work for a better rank arrival. Tokens go to the job's result channel as they
 are generated and are charged to the tenant's fair-share counter; the job ends with
@@ -232,7 +232,7 @@ class Dispatcher:
         """As many jobs as the engine has room for newcomers (one when it only takes a
         better rank's work, or cannot say), up to max_jobs_per_lease."""
         room = getattr(self._engine, "newcomer_room", None)
-        if not callable(room) or not hasattr(self._backend, "dispatch_many"):
+        if not callable(room):
             return 1
         num_seqs, _ = room()
         return max(1, min(num_seqs, self._config.max_jobs_per_lease))
@@ -240,9 +240,8 @@ class Dispatcher:
     async def _lease(self, num_jobs: int) -> list[Job]:
         """Up to `num_jobs` jobs in policy order, in one call to the queue."""
         lease_ms = self._config.lease_ms
-        if num_jobs > 1:  # _num_to_lease asks for more only of a backend that offers it
-            dispatch_many = self._backend.dispatch_many  # type: ignore[attr-defined]
-            return list(await dispatch_many(self.worker_id, lease_ms, num_jobs))
+        if num_jobs > 1:
+            return await self._backend.dispatch_many(self.worker_id, lease_ms, num_jobs)
         job = await self._backend.dispatch(self.worker_id, lease_ms)
         return [] if job is None else [job]
 

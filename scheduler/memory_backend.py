@@ -283,7 +283,6 @@ class MemoryBackend:
             del tier.active[job.tenant_id]
 
     async def dispatch_many(self, worker_id: str, lease_ms: int, num_jobs: int) -> list[Job]:
-        """Up to num_jobs dispatches in policy order (fewer when the queue runs dry)."""
         jobs = []
         for _ in range(num_jobs):
             job = await self.dispatch(worker_id, lease_ms)
@@ -477,7 +476,6 @@ class MemoryBackend:
         job = entry.job
         # The prompt goes with the entry (as the Redis backend empties the job's payload).
         del self._entries[job.job_id]
-        entry.status = status
         self._finished[job.job_id] = (status.value, job.tier, job.tenant_id, job.weight)
         heapq.heappush(self._purges, (now_ms + self._finished_ttl_ms, job.job_id))
         heapq.heappush(self._result_purges, (now_ms + self._finished_result_ttl_ms, job.job_id))

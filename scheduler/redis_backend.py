@@ -248,9 +248,7 @@ class RedisBackend:
         return _leased_job(leased[0]) if leased else None
 
     async def dispatch_many(self, worker_id: str, lease_ms: int, num_jobs: int) -> list[Job]:
-        """Up to num_jobs dispatches in one round trip, in policy order; each lease is the
-        one a dispatch of its own would make at the same moment. Fewer come back when the
-        queue runs dry."""
+        """One round trip (a pipeline of script calls of MAX_JOBS_PER_CALL jobs each)."""
         args = [self._keys.prefix, *self._dispatch_args(worker_id, lease_ms, MAX_JOBS_PER_CALL)]
         with unavailable_as_error():
             async with self._redis.pipeline(transaction=False) as pipe:
