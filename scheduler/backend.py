@@ -205,7 +205,10 @@ class QueueBackend(Protocol):
         Charges its prompt tokens to the tenant on its first lease. The job's `rank` is the
         tier's current rank and `resumed_token_ids` holds what the client already has.
         Jobs queued past their max_queue_ms are dropped first, ending their result stream
-        with an error event of code `queue_timeout`.
+        with an error event of code `queue_timeout`. The leased job's result stream gets a
+        tokens event without tokens: the mark that it left the queue (JobStream reads
+        the queue wait from it), written with the lease so no worker spends a round trip
+        on it.
         """
         ...
 

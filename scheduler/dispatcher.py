@@ -268,14 +268,12 @@ class Dispatcher:
 
     async def _drive(self, running: _Running) -> None:
         job, backend, worker = running.job, self._backend, self.worker_id
-        # The lease marker tells the gateway the job left the queue. Its round trip runs
-        # while the engine prefills; no tokens are published before it is known held.
-        marker = asyncio.ensure_future(backend.publish_tokens(job.job_id, worker, ()))
+        # The queue marked the lease in the job's result stream as it leased it; every
+        # publish below checks this worker still holds the job.
         try:
             remaining = job.params.max_tokens - len(job.resumed_token_ids)
             if remaining <= 0:  # the previous worker streamed everything but the end
-                if await marker:
-                    await backend.complete(job.job_id, worker_id=worker, finish_reason="length")
+                await backend.complete(job.job_id, worker_id=worker, finish_reason="length")
                 return
             # The engine continues after the resumed tokens, which count toward max_tokens.
             request = {
@@ -295,8 +293,6 @@ class Dispatcher:
                 async for batch in batches:  # leaving early aborts in the engine
                     # An output means the engine finished a step and took its pending adds.
                     self._capacity_freed.set()
-                    if not await marker:
-                        return  # cancelled while queued, or reclaimed by another worker
                     new_ids = [t for output in batch for t in output.new_token_ids]
                     text = "".join(output.text_delta for output in batch)
                     finish_reason = _finish_reason(batch[-1])
@@ -331,8 +327,6 @@ class Dispatcher:
                 backend.fail(job.job_id, code=ENGINE_ERROR, message=repr(exc), worker_id=worker)
             )
         finally:
-            if not marker.done():
-                marker.cancel()
             self._running.pop(job.job_id, None)
             self._capacity_freed.set()
 

@@ -312,6 +312,7 @@ class MemoryBackend:
         entry.lease_until_ms = now_ms + lease_ms
         entry.num_leases += 1
         heapq.heappush(self._leases, (entry.lease_until_ms, job_id))
+        self._stream(job_id).append(EventKind.TOKENS)  # the lease marker (see dispatch)
         rank = self._rank(job.tier)
         if job.rank != rank or job.resumed_token_ids != entry.resumed_token_ids:
             job = entry.job = replace(job, rank=rank, resumed_token_ids=entry.resumed_token_ids)

@@ -248,15 +248,19 @@ class RedisBackend:
         return _leased_job(leased[0]) if leased else None
 
     async def dispatch_many(self, worker_id: str, lease_ms: int, num_jobs: int) -> list[Job]:
-        """One round trip (a pipeline of script calls of MAX_JOBS_PER_CALL jobs each)."""
-        args = [self._keys.prefix, *self._dispatch_args(worker_id, lease_ms, MAX_JOBS_PER_CALL)]
-        with unavailable_as_error():
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for i in range(0, num_jobs, MAX_JOBS_PER_CALL):
-                    args[-1] = min(MAX_JOBS_PER_CALL, num_jobs - i)
-                    await self._scripts["dispatch"](keys=[], args=list(args), client=pipe)
-                replies = await pipe.execute()
-        return [_leased_job(leased) for reply in replies for leased in reply]
+        """Script calls of at most MAX_JOBS_PER_CALL jobs each, the next only after one
+        that leased all it asked (the queue had more): one call for any lease of a worker
+        with less room than that, and no call on an emptied queue. Calls in turn rather
+        than pipelined, because a pipeline of scripts asks Redis SCRIPT EXISTS first,
+        a round trip of its own."""
+        jobs: list[Job] = []
+        while len(jobs) < num_jobs:
+            asked = min(MAX_JOBS_PER_CALL, num_jobs - len(jobs))
+            leased = await self._run("dispatch", *self._dispatch_args(worker_id, lease_ms, asked))
+            jobs.extend(_leased_job(one) for one in leased)
+            if len(leased) < asked:
+                break
+        return jobs
 
     def _dispatch_args(self, worker_id: str, lease_ms: int, num_jobs: int) -> list[object]:
         """dispatch.lua's arguments after the prefix."""

@@ -6,8 +6,8 @@ events (published by whichever worker holds the job, possibly several in turn af
 worker died) into `StreamOutput`s. Cancelling the job (the client went away) removes it
 from the queue, or makes its worker abort it at its next publish or heartbeat.
 
-The first event a worker publishes for a lease carries no tokens: it marks the moment
-the job left the queue, so the gateway can report the queue wait.
+The first event of each lease carries no tokens: the queue writes it as it leases the
+job, marking the moment the job left the queue, so the gateway can report the queue wait.
 """
 
 from __future__ import annotations

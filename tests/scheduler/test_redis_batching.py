@@ -159,3 +159,60 @@ async def test_fields_with_separators_round_trip() -> None:
     finally:
         await delete_keys(client, keys)
         await client.aclose()
+
+
+class CountingRedis(aioredis.Redis):
+    """A real client that counts the commands it sends, pipelines included."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.sent: list[str] = []
+
+    async def execute_command(self, *args, **options):
+        self.sent.append(str(args[0]))
+        return await super().execute_command(*args, **options)
+
+    def pipeline(self, *args, **kwargs):
+        self.sent.append("PIPELINE")
+        return super().pipeline(*args, **kwargs)
+
+
+async def test_dispatch_many_costs_one_call_unless_the_queue_holds_more() -> None:
+    client = CountingRedis.from_url(REDIS_URL, decode_responses=True)
+    keys = unique_keys()
+    clock = FakeClock()
+    backend = RedisBackend(client, keys=keys, config=CONFIG, clock_ms=clock)
+    try:
+        await backend.configure_tiers(TIERS)
+        jobs = [
+            Job(
+                job_id=f"b{i}",
+                tenant_id=f"t{i % 7}",
+                tier="batch",
+                rank=2,
+                weight=1.0,
+                prompt_token_ids=(1, 2, 3),
+                params=SamplingParams(max_tokens=4),
+                arrival_s=clock.now_ms / 1000,
+            )
+            for i in range(2 * MAX_JOBS_PER_CALL + 40)
+        ]
+        assert set(await backend.enqueue_many(jobs)) == {"ok"}
+
+        async def leased(num_jobs: int) -> tuple[int, list[str]]:
+            client.sent.clear()
+            got = await backend.dispatch_many("w", 3_000, num_jobs)
+            return len(got), list(client.sent)
+
+        # No pipeline: a pipeline of scripts would first ask SCRIPT EXISTS.
+        assert await leased(30) == (30, ["EVALSHA"])
+        assert await leased(2 * MAX_JOBS_PER_CALL + 5) == (
+            2 * MAX_JOBS_PER_CALL + 5,
+            ["EVALSHA"] * 3,
+        )
+        # The queue holds fewer than asked: one call that comes back short, no second.
+        assert await leased(MAX_JOBS_PER_CALL) == (5, ["EVALSHA"])
+        assert await leased(10) == (0, ["EVALSHA"])
+    finally:
+        await delete_keys(client, keys)
+        await client.aclose()
