@@ -21,14 +21,15 @@ from typing import Any
 from gateway.auth import Principal
 from gateway.errors import RateLimitedError, ServiceUnavailableError
 from gateway.tiers import TierPolicy
-from scheduler.admission import AdmissionConfig, NoCapacityError, SloUnattainableError, check_slo
+from scheduler.admission import AdmissionConfig, NoCapacityError, slo_budget
 from scheduler.backend import (
     BackendUnavailableError,
     FleetCapacity,
     QueueBackend,
     QueueFullError,
+    SloBudget,
+    SloUnattainableError,
     UnknownTierError,
-    WorkAhead,
 )
 from scheduler.job import Job
 from scheduler.policy import TierConfig
@@ -67,8 +68,9 @@ CAPACITY_MAX_AGE_MS = 100.0
 
 
 class RecentCapacity:
-    """The queue as SLO admission reads it, with `fleet_capacity` remembered for
-    `max_age_ms`; `work_ahead` (which changes with every enqueue) is always read."""
+    """The fleet's capacity as SLO admission reads it: `fleet_capacity` remembered for
+    `max_age_ms`. The work queued ahead, which changes with every enqueue, the queue
+    reads itself as it enqueues."""
 
     def __init__(self, backend: QueueBackend, max_age_ms: float) -> None:
         self._backend = backend
@@ -82,11 +84,6 @@ class RecentCapacity:
             self._capacity = await self._backend.fleet_capacity()
             self._read_at_s = now_s
         return self._capacity
-
-    async def work_ahead(
-        self, tier: str, tenant_id: str, weight: float, num_prompt_tokens: int = 0
-    ) -> WorkAhead:
-        return await self._backend.work_ahead(tier, tenant_id, weight, num_prompt_tokens)
 
 
 class Admission:
@@ -139,19 +136,17 @@ class Admission:
         """SLO admission, then enqueue; returns the job's result stream."""
         headers = headers or {}
         try:
-            # check_slo reads only fleet_capacity and work_ahead, which RecentCapacity has.
-            slo_inputs: Any = self._capacity
-            await check_slo(slo_inputs, job, tier_config(tier), self._config)
+            slo = await self._slo_budget(tier)
             timeout_ms = None if job.max_queue_ms is None else job.max_queue_ms + self._grace_ms
             try:
-                return await self._jobs.submit_and_wait(job, queue_timeout_ms=timeout_ms)
+                return await self._jobs.submit_and_wait(job, queue_timeout_ms=timeout_ms, slo=slo)
             except UnknownTierError:
                 # The queue lost its tier table (Redis restarted empty, or a new tier
                 # raced its announcement): copy it again from SQL and retry once.
                 if self._on_unknown_tier is None:
                     raise
                 await self._on_unknown_tier()
-                return await self._jobs.submit_and_wait(job, queue_timeout_ms=timeout_ms)
+                return await self._jobs.submit_and_wait(job, queue_timeout_ms=timeout_ms, slo=slo)
         except SloUnattainableError as exc:
             raise RateLimitedError(
                 str(exc),
@@ -169,6 +164,13 @@ class Admission:
             ) from exc
         except BackendUnavailableError as exc:
             raise unavailable(exc) from exc
+
+    async def _slo_budget(self, tier: TierPolicy) -> SloBudget | None:
+        """What the queue checks the job against as it enqueues it (None: no TTFT SLO)."""
+        if tier.ttft_slo_ms is None:
+            return None
+        capacity = await self._capacity.fleet_capacity()
+        return slo_budget(capacity, self._config, rank=tier.rank, ttft_slo_ms=tier.ttft_slo_ms)
 
     def release_soon(self, reservation: Reservation | None, num_used_tokens: int) -> None:
         """Refund the unused tokens and free the concurrency slot, in the background (the

@@ -109,9 +109,7 @@ ERROR_TABLE: dict[type[BaseException], ErrorKind] = {
     scheduler_limits.RateLimitExceededError: ErrorKind(
         429, "rate_limit_error", "rate_limit_exceeded"
     ),
-    scheduler_admission.SloUnattainableError: ErrorKind(
-        429, "rate_limit_error", "slo_unattainable"
-    ),
+    scheduler_queue.SloUnattainableError: ErrorKind(429, "rate_limit_error", "slo_unattainable"),
     scheduler_queue.QueueFullError: ErrorKind(429, "rate_limit_error", "queue_full"),
     scheduler_results.QueueTimeoutError: ErrorKind(429, "rate_limit_error", "queue_timeout"),
     scheduler_admission.NoCapacityError: ErrorKind(503, "service_unavailable_error", "no_capacity"),

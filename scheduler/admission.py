@@ -20,6 +20,10 @@ max_tokens and, with continuous batching, a job starts once those ahead have bee
 admitted to the batch, not finished. If the prediction exceeds the SLO the job is refused
 with the time after which the same request would fit (`retry_after_ms`). Tiers without a
 TTFT SLO (batch) are bounded only by the queue caps enforced in enqueue (QueueFullError).
+
+The queue makes the check itself, in the step that enqueues (`admit`, QueueBackend.enqueue
+with an SloBudget): gateways admitting at the same moment each see the work the others
+just queued, and admission costs the shared queue one round trip, not two.
 """
 
 from __future__ import annotations
@@ -27,29 +31,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from scheduler.backend import FleetCapacity, QueueBackend, WorkAhead
+from scheduler.backend import (
+    FleetCapacity,
+    QueueBackend,
+    SloBudget,
+    WorkAhead,
+)
 from scheduler.job import Job
 from scheduler.policy import TierConfig
 
 
 class AdmissionError(Exception):
     """Base class of admission refusals."""
-
-
-class SloUnattainableError(AdmissionError):
-    """The predicted TTFT exceeds the tier's SLO; retry after `retry_after_ms`."""
-
-    def __init__(
-        self, *, tier: str, predicted_ttft_ms: float, ttft_slo_ms: float, retry_after_ms: int
-    ) -> None:
-        super().__init__(
-            f"tier {tier!r} cannot start this request within its {ttft_slo_ms:.0f} ms TTFT SLO "
-            f"(predicted {predicted_ttft_ms:.0f} ms); retry in {retry_after_ms} ms"
-        )
-        self.tier = tier
-        self.predicted_ttft_ms = predicted_ttft_ms
-        self.ttft_slo_ms = ttft_slo_ms
-        self.retry_after_ms = retry_after_ms
 
 
 class NoCapacityError(AdmissionError):
@@ -65,6 +58,24 @@ class AdmissionConfig:
             raise ValueError("decode_ahead_fraction must be in [0, 1]")
 
 
+def slo_budget(
+    capacity: FleetCapacity, config: AdmissionConfig, *, rank: int, ttft_slo_ms: float
+) -> SloBudget:
+    """The SLO check a job of tier rank `rank` gets at enqueue, from the fleet's capacity
+    (raises NoCapacityError when no live worker reports any)."""
+    if capacity.num_workers == 0 or capacity.prefill_tokens_per_s <= 0:
+        raise NoCapacityError("no live worker reports any capacity")
+    held = capacity.backlog_ahead(rank)
+    return SloBudget(
+        ttft_slo_ms=ttft_slo_ms,
+        prefill_tokens_per_s=capacity.prefill_tokens_per_s,
+        decode_tokens_per_s=capacity.decode_tokens_per_s,
+        held_prefill_tokens=held.num_prefill_tokens,
+        held_decode_tokens=held.num_decode_tokens,
+        decode_ahead_fraction=config.decode_ahead_fraction,
+    )
+
+
 def predict_ttft_ms(
     work: WorkAhead,
     num_prompt_tokens: int,
@@ -75,44 +86,45 @@ def predict_ttft_ms(
 ) -> float:
     """Predicted time to first token of a new job of tier rank `rank`, given the queued
     `work` ahead of it (pure; see the module docstring)."""
-    if capacity.num_workers == 0 or capacity.prefill_tokens_per_s <= 0:
-        raise NoCapacityError("no live worker reports any capacity")
-    held = capacity.backlog_ahead(rank)
-    num_prefill = work.num_prefill_tokens + held.num_prefill_tokens + num_prompt_tokens
-    num_decode = work.num_decode_tokens + held.num_decode_tokens
-    prefill_s = num_prefill / capacity.prefill_tokens_per_s
-    decode_s = 0.0
-    if num_decode and capacity.decode_tokens_per_s > 0:
-        decode_s = config.decode_ahead_fraction * num_decode / capacity.decode_tokens_per_s
-    return 1000.0 * (prefill_s + decode_s)
+    budget = slo_budget(capacity, config, rank=rank, ttft_slo_ms=math.inf)
+    return budget.predict_ms(work, num_prompt_tokens)
 
 
 async def check_slo(
     backend: QueueBackend, job: Job, tier: TierConfig, config: AdmissionConfig | None = None
 ) -> float | None:
     """Raise SloUnattainableError (or NoCapacityError) if the job cannot meet its tier's
-    TTFT SLO; return the predicted TTFT in ms, or None for a tier without a TTFT SLO."""
+    TTFT SLO; return the predicted TTFT in ms, or None for a tier without a TTFT SLO.
+    Reads the queue without changing it; `admit` checks and enqueues in one step."""
     if tier.ttft_slo_ms is None:
         return None
     capacity = await backend.fleet_capacity()
-    work = await backend.work_ahead(job.tier, job.tenant_id, job.weight, job.num_prompt_tokens)
-    predicted = predict_ttft_ms(
-        work, job.num_prompt_tokens, capacity, config or AdmissionConfig(), rank=tier.rank
+    budget = slo_budget(
+        capacity, config or AdmissionConfig(), rank=tier.rank, ttft_slo_ms=tier.ttft_slo_ms
     )
-    if predicted > tier.ttft_slo_ms:
-        raise SloUnattainableError(
-            tier=tier.name,
-            predicted_ttft_ms=predicted,
-            ttft_slo_ms=tier.ttft_slo_ms,
-            retry_after_ms=math.ceil(predicted - tier.ttft_slo_ms),
-        )
+    work = await backend.work_ahead(job.tier, job.tenant_id, job.weight, job.num_prompt_tokens)
+    predicted = budget.predict_ms(work, job.num_prompt_tokens)
+    refusal = budget.refusal(tier.name, predicted)
+    if refusal is not None:
+        raise refusal
     return predicted
 
 
 async def admit(
-    backend: QueueBackend, job: Job, tier: TierConfig, config: AdmissionConfig | None = None
+    backend: QueueBackend,
+    job: Job,
+    tier: TierConfig,
+    config: AdmissionConfig | None = None,
+    *,
+    capacity: FleetCapacity | None = None,
 ) -> float | None:
-    """check_slo, then enqueue (which enforces the queue caps). Returns the predicted TTFT."""
-    predicted = await check_slo(backend, job, tier, config)
-    await backend.enqueue(job)
-    return predicted
+    """SLO admission and enqueue in one atomic queue operation (the queue caps apply
+    too). Returns the predicted TTFT (None for a tier without a TTFT SLO). `capacity`
+    defaults to the backend's current `fleet_capacity`."""
+    budget = None
+    if tier.ttft_slo_ms is not None:
+        if capacity is None:
+            capacity = await backend.fleet_capacity()
+        config = config or AdmissionConfig()
+        budget = slo_budget(capacity, config, rank=tier.rank, ttft_slo_ms=tier.ttft_slo_ms)
+    return await backend.enqueue(job, slo=budget)

@@ -13,6 +13,7 @@ test holds them to it), so the single-process server and a Redis fleet behave al
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -46,6 +47,22 @@ class DuplicateJobError(QueueError):
     def __init__(self, job_id: str) -> None:
         super().__init__(f"job {job_id!r} is already known to the queue")
         self.job_id = job_id
+
+
+class SloUnattainableError(QueueError):
+    """The predicted TTFT exceeds the tier's SLO; retry after `retry_after_ms`."""
+
+    def __init__(
+        self, *, tier: str, predicted_ttft_ms: float, ttft_slo_ms: float, retry_after_ms: int
+    ) -> None:
+        super().__init__(
+            f"tier {tier!r} cannot start this request within its {ttft_slo_ms:.0f} ms TTFT SLO "
+            f"(predicted {predicted_ttft_ms:.0f} ms); retry in {retry_after_ms} ms"
+        )
+        self.tier = tier
+        self.predicted_ttft_ms = predicted_ttft_ms
+        self.ttft_slo_ms = ttft_slo_ms
+        self.retry_after_ms = retry_after_ms
 
 
 class BackendUnavailableError(QueueError):
@@ -106,6 +123,46 @@ class WorkAhead:
 
     num_prefill_tokens: int
     num_decode_tokens: int
+
+
+@dataclass(frozen=True)
+class SloBudget:
+    """What `enqueue` needs to refuse a job that would miss its tier's TTFT SLO, in the
+    same atomic step that queues it (scheduler/admission.py explains the prediction):
+    the fleet's rates, the work engines hold ahead of the job's rank, and the SLO.
+
+    Checked apart from the enqueue, every gateway admitting at the same moment would see
+    the same queue and all of them would admit; checked inside it, each sees the others.
+    """
+
+    ttft_slo_ms: float
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    held_prefill_tokens: int = 0
+    held_decode_tokens: int = 0
+    decode_ahead_fraction: float = 0.5
+
+    def predict_ms(self, work: WorkAhead, num_prompt_tokens: int) -> float:
+        """Predicted TTFT of a job of `num_prompt_tokens` with `work` queued ahead of it.
+        The Redis queue computes the same in Lua (slo_predict in scheduler/lua/_lib.lua)."""
+        num_prefill = work.num_prefill_tokens + self.held_prefill_tokens + num_prompt_tokens
+        num_decode = work.num_decode_tokens + self.held_decode_tokens
+        prefill_s = num_prefill / self.prefill_tokens_per_s
+        decode_s = 0.0
+        if num_decode and self.decode_tokens_per_s > 0:
+            decode_s = self.decode_ahead_fraction * num_decode / self.decode_tokens_per_s
+        return 1000.0 * (prefill_s + decode_s)
+
+    def refusal(self, tier: str, predicted_ms: float) -> SloUnattainableError | None:
+        """The error refusing a job predicted at `predicted_ms`, or None if it fits."""
+        if predicted_ms <= self.ttft_slo_ms:
+            return None
+        return SloUnattainableError(
+            tier=tier,
+            predicted_ttft_ms=predicted_ms,
+            ttft_slo_ms=self.ttft_slo_ms,
+            retry_after_ms=math.ceil(predicted_ms - self.ttft_slo_ms),
+        )
 
 
 @dataclass(frozen=True)
@@ -195,8 +252,13 @@ class QueueBackend(Protocol):
 
     async def get_tiers(self) -> list[TierConfig]: ...
 
-    async def enqueue(self, job: Job) -> None:
-        """Queue an admitted job. Raises UnknownTierError, QueueFullError, DuplicateJobError."""
+    async def enqueue(self, job: Job, *, slo: SloBudget | None = None) -> float | None:
+        """Queue an admitted job. Raises UnknownTierError, SloUnattainableError (only with
+        `slo`), DuplicateJobError, QueueFullError, checked in that order.
+
+        With `slo`, the work the policy would serve first is read and the job refused if
+        its predicted TTFT exceeds the SLO, atomically with queueing it; returns that
+        prediction in ms (None without `slo`)."""
         ...
 
     async def dispatch(self, worker_id: str, lease_ms: int) -> Job | None:
@@ -225,10 +287,10 @@ class QueueBackend(Protocol):
         """Extend a lease; False means the worker lost the job (cancelled or reclaimed)."""
         ...
 
-    async def requeue(
-        self, job_id: str, resumed_token_ids: Sequence[int], *, worker_id: str | None = None
-    ) -> bool:
-        """Put a leased job back at its place (ahead of later arrivals) in its tenant's queue."""
+    async def requeue(self, job_id: str, *, worker_id: str | None = None) -> bool:
+        """Put a leased job back at its place (ahead of later arrivals) in its tenant's
+        queue. It resumes after the tokens in its result stream: what the client has,
+        whatever the worker believes it published."""
         ...
 
     async def reclaim_expired_leases(self, now_ms: int | None = None) -> list[str]:

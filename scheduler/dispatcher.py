@@ -97,7 +97,6 @@ def default_worker_id() -> str:
 @dataclass
 class _Running:
     job: Job
-    streamed: list[int]  # what the client has: resumed tokens plus those published here
     task: asyncio.Task[None] | None = None
     # Set by a drain: hand the job back at the next token. Cancelling the task alone is
     # not enough: a cancellation that lands inside a Redis call may be absorbed there.
@@ -218,7 +217,7 @@ class Dispatcher:
                 continue
             for job in jobs:
                 self.num_dispatched += 1
-                running = _Running(job, list(job.resumed_token_ids))
+                running = _Running(job)
                 running.task = asyncio.create_task(self._drive(running), name=f"job-{job.job_id}")
                 self._running[job.job_id] = running
             if len(jobs) < num_wanted:
@@ -296,22 +295,23 @@ class Dispatcher:
                     new_ids = [t for output in batch for t in output.new_token_ids]
                     text = "".join(output.text_delta for output in batch)
                     finish_reason = _finish_reason(batch[-1])
-                    if new_ids or text or finish_reason is not None:
-                        if not await self._publish_step(job.job_id, new_ids, text, finish_reason):
-                            return  # cancelled, or reclaimed by another worker
-                        running.streamed.extend(new_ids)
+                    has_news = new_ids or text or finish_reason is not None
+                    if has_news and not await self._publish_step(
+                        job.job_id, new_ids, text, finish_reason
+                    ):
+                        return  # cancelled, or reclaimed by another worker
                     if finish_reason is not None:
                         return
                     if running.is_handed_back:
                         raise _HandBack
         except asyncio.CancelledError:
-            await _quietly(backend.requeue(job.job_id, running.streamed, worker_id=worker))
+            await _quietly(backend.requeue(job.job_id, worker_id=worker))
             raise
         except _HandBack:
-            await _quietly(backend.requeue(job.job_id, running.streamed, worker_id=worker))
+            await _quietly(backend.requeue(job.job_id, worker_id=worker))
         except EngineDeadError:
             # This engine is gone; another worker resumes the job.
-            await _quietly(backend.requeue(job.job_id, running.streamed, worker_id=worker))
+            await _quietly(backend.requeue(job.job_id, worker_id=worker))
         except InvalidRequestError as exc:
             await _quietly(
                 backend.fail(

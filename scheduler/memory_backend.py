@@ -26,6 +26,7 @@ from scheduler.backend import (
     JobStatus,
     QueueFullError,
     ResultEvent,
+    SloBudget,
     TenantDepth,
     TierDepth,
     UnknownTierError,
@@ -223,11 +224,18 @@ class MemoryBackend:
 
     # -- queue -------------------------------------------------------------------------
 
-    async def enqueue(self, job: Job) -> None:
+    async def enqueue(self, job: Job, *, slo: SloBudget | None = None) -> float | None:
         self._purge(self._clock_ms())
         config = self._tier_configs.get(job.tier)
         if config is None:
             raise UnknownTierError(job.tier)
+        predicted = None
+        if slo is not None:
+            work = self._work_ahead(job.tier, job.tenant_id, job.weight, job.num_prompt_tokens)
+            predicted = slo.predict_ms(work, job.num_prompt_tokens)
+            refusal = slo.refusal(job.tier, predicted)
+            if refusal is not None:
+                raise refusal
         if job.job_id in self._entries or job.job_id in self._finished:
             raise DuplicateJobError(job.job_id)
         tier = self._tier(job.tier)
@@ -248,6 +256,7 @@ class MemoryBackend:
         self._push(entry)
         if entry.expire_at_ms is not None:
             heapq.heappush(self._expiries, (entry.expire_at_ms, job.job_id))
+        return predicted
 
     def _push(self, entry: _Entry) -> None:
         job = entry.job
@@ -424,15 +433,13 @@ class MemoryBackend:
         entry.expire_at_ms = None
         self._push(entry)
 
-    async def requeue(
-        self, job_id: str, resumed_token_ids: Sequence[int], *, worker_id: str | None = None
-    ) -> bool:
+    async def requeue(self, job_id: str, *, worker_id: str | None = None) -> bool:
         entry = self._entries.get(job_id)
         if entry is None or entry.status is not JobStatus.LEASED:
             return False
         if worker_id is not None and entry.worker_id != worker_id:
             return False
-        self._requeue(entry, tuple(resumed_token_ids))
+        self._requeue(entry, self._streamed(job_id))
         return True
 
     async def reclaim_expired_leases(self, now_ms: int | None = None) -> list[str]:
@@ -450,9 +457,7 @@ class MemoryBackend:
                 or entry.lease_until_ms != until_ms
             ):
                 continue
-            stream = self._streams.get(job_id)
-            streamed = () if stream is None else _streamed_tokens(stream)
-            self._requeue(entry, streamed)
+            self._requeue(entry, self._streamed(job_id))
             reclaimed.append(job_id)
         return reclaimed
 
@@ -511,6 +516,11 @@ class MemoryBackend:
 
     async def work_ahead(
         self, tier: str, tenant_id: str, weight: float, num_prompt_tokens: int = 0
+    ) -> WorkAhead:
+        return self._work_ahead(tier, tenant_id, weight, num_prompt_tokens)
+
+    def _work_ahead(
+        self, tier: str, tenant_id: str, weight: float, num_prompt_tokens: int
     ) -> WorkAhead:
         key = (self._rank(tier), tier)
         prefill = decode = 0.0
@@ -619,6 +629,13 @@ class MemoryBackend:
             stream = self._streams[job_id] = _Stream()
         return stream
 
+    def _streamed(self, job_id: str) -> tuple[int, ...]:
+        """Every token in the job's result stream: what its client has been sent."""
+        stream = self._streams.get(job_id)
+        if stream is None:
+            return ()
+        return tuple(t for e in stream.events if e.kind is EventKind.TOKENS for t in e.token_ids)
+
     def _owned(self, job_id: str, worker_id: str | None) -> _Entry | None:
         entry = self._entries.get(job_id)
         if entry is None or entry.status is not JobStatus.LEASED:
@@ -671,7 +688,3 @@ class MemoryBackend:
 
     async def aclose(self) -> None:
         return None
-
-
-def _streamed_tokens(stream: _Stream) -> tuple[int, ...]:
-    return tuple(t for e in stream.events if e.kind is EventKind.TOKENS for t in e.token_ids)

@@ -34,6 +34,7 @@ from scheduler.backend import (
     JobStatus,
     QueueFullError,
     ResultEvent,
+    SloBudget,
     TenantDepth,
     TierDepth,
     UnknownTierError,
@@ -214,16 +215,24 @@ class RedisBackend:
 
     # -- queue -------------------------------------------------------------------------
 
-    async def enqueue(self, job: Job) -> None:
-        outcome = await self._run("enqueue", self._clock_ms(), *_enqueue_fields(job))
-        if outcome == "unknown_tier":
+    async def enqueue(self, job: Job, *, slo: SloBudget | None = None) -> float | None:
+        budget = "" if slo is None else _budget_arg(slo)
+        outcome = await self._run("enqueue", self._clock_ms(), budget, *_enqueue_fields(job))
+        verdict, _, predicted = outcome.partition(":")
+        if verdict == "ok":
+            return float(predicted) if predicted else None
+        refusal = slo.refusal(job.tier, float(predicted)) if slo and verdict == "slo" else None
+        if refusal is not None:
+            raise refusal
+        if verdict == "unknown_tier":
             raise UnknownTierError(job.tier)
-        if outcome == "duplicate":
+        if verdict == "duplicate":
             raise DuplicateJobError(job.job_id)
-        if outcome == "queue_full":
+        if verdict == "queue_full":
             tiers = {t.name: t for t in await self.get_tiers()}
             cap = tiers[job.tier].max_queued_jobs if job.tier in tiers else 0
             raise QueueFullError(job.tier, cap or 0)
+        raise AssertionError(f"enqueue.lua answered {outcome!r}")
 
     async def enqueue_many(self, jobs: Sequence[Job]) -> list[str]:
         """Enqueue in one round trip, in order; returns each job's outcome ('ok',
@@ -236,7 +245,7 @@ class RedisBackend:
         with unavailable_as_error():
             async with self._redis.pipeline(transaction=False) as pipe:
                 for i in range(0, len(jobs), MAX_JOBS_PER_CALL):
-                    args: list[object] = [self._keys.prefix, now_ms]
+                    args: list[object] = [self._keys.prefix, now_ms, ""]  # no SLO budget
                     for job in jobs[i : i + MAX_JOBS_PER_CALL]:
                         args.extend(_enqueue_fields(job))
                     await self._scripts["enqueue"](keys=[], args=args, client=pipe)
@@ -292,14 +301,8 @@ class RedisBackend:
     async def renew(self, worker_id: str, job_id: str, lease_ms: int) -> bool:
         return bool(await self._run("renew", self._clock_ms(), worker_id, job_id, lease_ms))
 
-    async def requeue(
-        self, job_id: str, resumed_token_ids: Sequence[int], *, worker_id: str | None = None
-    ) -> bool:
-        return bool(
-            await self._run(
-                "requeue", self._clock_ms(), job_id, _csv(resumed_token_ids), worker_id or ""
-            )
-        )
+    async def requeue(self, job_id: str, *, worker_id: str | None = None) -> bool:
+        return bool(await self._run("requeue", self._clock_ms(), job_id, worker_id or ""))
 
     async def reclaim_expired_leases(self, now_ms: int | None = None) -> list[str]:
         now_ms = self._clock_ms() if now_ms is None else now_ms
@@ -549,6 +552,21 @@ def _tier_policy_fields(tiers: Sequence[TierConfig]) -> dict[str, str | int]:
         if t.max_queued_jobs is not None:
             fields[f"max_queued:{t.name}"] = t.max_queued_jobs
     return fields
+
+
+def _budget_arg(slo: SloBudget) -> str:
+    """enqueue.lua's SLO budget argument: the fields, space-separated, exactly."""
+    return " ".join(
+        repr(float(x))
+        for x in (
+            slo.ttft_slo_ms,
+            slo.prefill_tokens_per_s,
+            slo.decode_tokens_per_s,
+            slo.held_prefill_tokens,
+            slo.held_decode_tokens,
+            slo.decode_ahead_fraction,
+        )
+    )
 
 
 def _enqueue_fields(job: Job) -> tuple[str, str, str]:

@@ -20,7 +20,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import EngineDeadError, RequestAbortedError
-from scheduler.backend import QUEUE_TIMEOUT, EventKind, JobStatus, QueueBackend, ResultEvent
+from scheduler.backend import (
+    QUEUE_TIMEOUT,
+    EventKind,
+    JobStatus,
+    QueueBackend,
+    ResultEvent,
+    SloBudget,
+)
 from scheduler.job import Job
 
 # Codes a worker ends a stream with (ResultEvent.code).
@@ -228,10 +235,11 @@ class JobClient:
         return len(self._streams)
 
     async def submit_and_wait(
-        self, job: Job, *, queue_timeout_ms: float | None = None
+        self, job: Job, *, queue_timeout_ms: float | None = None, slo: SloBudget | None = None
     ) -> JobStream:
         """Enqueue the job and return the stream of its results. The queue's refusals
-        raise here: QueueFullError, UnknownTierError, BackendUnavailableError.
+        raise here: QueueFullError, UnknownTierError, BackendUnavailableError, and with
+        an `slo` budget SloUnattainableError (see QueueBackend.enqueue).
 
         With `queue_timeout_ms`, a job still queued after that long is dropped and its
         stream raises QueueTimeoutError (the queue also drops timed-out jobs, but only
@@ -239,7 +247,7 @@ class JobClient:
         """
         stream = self._open(job)
         try:
-            await self._backend.enqueue(job)
+            await self._backend.enqueue(job, slo=slo)
         except BaseException:
             self._streams.pop(job.job_id, None)
             raise

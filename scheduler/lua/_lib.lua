@@ -163,6 +163,49 @@ local function charge(tier, tenant, weight, nin, nout, in_w, out_w, now, bucket_
   end
 end
 
+-- The queued work the policy would serve before a new job of `tenant` in `tier` (see
+-- work_ahead.lua); also what enqueue's SLO check reads.
+local function work_ahead(tier, tenant, weight, num_prompt_tokens)
+  local tiers = tier_policy()
+  local my_rank = rank_of(tiers, tier)
+  local prefill, decode = 0, 0
+  local depth = redis.call('HGETALL', K.depth)
+  for i = 1, #depth, 2 do
+    local name = depth[i]
+    if name ~= tier and tier_less(name, rank_of(tiers, name), tier, my_rank) then
+      for _, v in ipairs(redis.call('HVALS', K.qprefill .. name)) do prefill = prefill + tonumber(v) end
+      for _, v in ipairs(redis.call('HVALS', K.qdecode .. name)) do decode = decode + tonumber(v) end
+    end
+  end
+  local own_prefill = tonumber(redis.call('HGET', K.qprefill .. tier, tenant) or '0')
+  prefill = prefill + own_prefill
+  decode = decode + tonumber(redis.call('HGET', K.qdecode .. tier, tenant) or '0')
+  local mine = num_prompt_tokens + own_prefill
+  local queued = redis.call('HGETALL', K.qprefill .. tier)
+  for i = 1, #queued, 2 do
+    local other, q = queued[i], tonumber(queued[i + 1])
+    if other ~= tenant and q > 0 then
+      local w = tonumber(redis.call('HGET', K.weights .. tier, other))
+      local take = math.min(q, mine * w / weight)
+      prefill = prefill + take
+      decode = decode + tonumber(redis.call('HGET', K.qdecode .. tier, other) or '0') * take / q
+    end
+  end
+  return prefill, decode
+end
+
+-- Predicted TTFT in ms of a new job with `prefill`, `decode` tokens queued ahead, as
+-- SloBudget.predict_ms (scheduler/backend.py) computes it; `budget` is its fields:
+-- ttft_slo_ms, prefill and decode tokens/s, held prefill and decode tokens, decode
+-- fraction.
+local function slo_predict(budget, prefill, decode, num_prompt_tokens)
+  local num_prefill = prefill + budget[4] + num_prompt_tokens
+  local num_decode = decode + budget[5]
+  local decode_s = 0
+  if num_decode ~= 0 and budget[3] > 0 then decode_s = budget[6] * num_decode / budget[3] end
+  return 1000.0 * (num_prefill / budget[2] + decode_s)
+end
+
 local function emit(id, ttl_ms, fields)
   local sid = redis.call('XADD', K.res .. id, '*', unpack(fields))
   redis.call('PEXPIRE', K.res .. id, ttl_ms)

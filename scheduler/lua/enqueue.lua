@@ -2,12 +2,17 @@
 -- One call takes a batch so that enqueue_many pays the per-call cost once; each job's
 -- outcome is exactly that of enqueueing it alone.
 -- KEYS: none; every key derives from the prefix in ARGV[1] (scheduler/keys.py).
--- ARGV: 1 prefix, 2 now_ms, then 3 per job: job_id, job JSON, and the fields the queue
---       reads in one tab-separated string (fewer arguments cost the client less):
---       tier, weight, prompt tokens, max_tokens, deadline ms or '', expire-at ms or '',
---       tenant (last, so it may hold any character)
+-- ARGV: 1 prefix, 2 now_ms, 3 an SLO budget or '' (below), then 3 per job: job_id, job
+--       JSON, and the fields the queue reads in one tab-separated string (fewer
+--       arguments cost the client less): tier, weight, prompt tokens, max_tokens,
+--       deadline ms or '', expire-at ms or '', tenant (last, so it may hold any character)
+--       The SLO budget is SloBudget's fields, space-separated: ttft_slo_ms, prefill and
+--       decode tokens/s, held prefill and decode tokens, decode fraction. With it, each
+--       job's TTFT is predicted from the work queued ahead of it (work_ahead) and the job
+--       refused when the prediction exceeds the SLO.
 -- Returns: the jobs' outcomes in order, space-separated, each 'ok', 'unknown_tier',
---          'duplicate' or 'queue_full' (one string parses faster than an array).
+--          'duplicate' or 'queue_full' (one string parses faster than an array); with a
+--          budget 'ok:<predicted ms>' or 'slo:<predicted ms>' (refused) instead of 'ok'.
 local policies = {}  -- tier -> {max_queued} or false, read once per call
 -- Arrival numbers: the first from INCR, the rest counted here and added at the end.
 local seq, first_seq = nil, nil
@@ -15,6 +20,11 @@ local outcomes = {}
 depth_pending = {}
 
 local FIELDS = '^([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t(.*)$'
+local budget = nil
+if ARGV[3] ~= '' then
+  budget = {}
+  for x in string.gmatch(ARGV[3], '%S+') do budget[#budget + 1] = tonumber(x) end
+end
 
 local function enqueue_one(id, json, fields)
   local tier, weight, pin, dec, dl, ex, tenant = string.match(fields, FIELDS)
@@ -25,6 +35,13 @@ local function enqueue_one(id, json, fields)
     policies[tier] = p
   end
   if not p then return 'unknown_tier' end
+  local ok = 'ok'
+  if budget then
+    local prefill, decode = work_ahead(tier, tenant, tonumber(weight), tonumber(pin))
+    local predicted = slo_predict(budget, prefill, decode, tonumber(pin))
+    if predicted > budget[1] then return 'slo:' .. fmt(predicted) end
+    ok = 'ok:' .. fmt(predicted)
+  end
   if p.max_queued then
     if redis.call('EXISTS', K.job .. id) == 1 then return 'duplicate' end
     local queued = tonumber(redis.call('HGET', K.depth, tier) or '0')
@@ -47,10 +64,10 @@ local function enqueue_one(id, json, fields)
   redis.call('HSET', K.weights .. tier, tenant, weight)
   push(id, tier, tenant, seq, tonumber(pin), tonumber(dec), dl)
   if ex ~= '' then redis.call('ZADD', K.expiries, ex, id) end
-  return 'ok'
+  return ok
 end
 
-for a = 3, #ARGV, 3 do
+for a = 4, #ARGV, 3 do
   outcomes[#outcomes + 1] = enqueue_one(ARGV[a], ARGV[a + 1], ARGV[a + 2])
 end
 if seq and seq > first_seq then redis.call('INCRBY', K.seq, seq - first_seq) end

@@ -1,10 +1,12 @@
 -- requeue.lua: put a leased job back at its arrival position in its tenant's queue
--- (ahead of every later arrival); it resumes after the given tokens.
+-- (ahead of every later arrival); it resumes after the tokens already in its result
+-- stream, which are what the client has (a worker's own count can miss a publish that
+-- reached Redis while the worker was being stopped).
 -- KEYS: none; every key derives from the prefix in ARGV[1] (scheduler/keys.py).
--- ARGV: 1 prefix, 2 now_ms, 3 job_id, 4 resumed token ids csv, 5 worker_id or '' (any)
+-- ARGV: 1 prefix, 2 now_ms, 3 job_id, 4 worker_id or '' (any)
 -- Returns: 1 when requeued, 0 when the job is not leased (by that worker).
 local h = redis.call('HMGET', K.job .. ARGV[3], 'st', 'wk')
 if h[1] ~= 'leased' then return 0 end
-if ARGV[5] ~= '' and h[2] ~= ARGV[5] then return 0 end
-requeue_job(ARGV[3], ARGV[4])
+if ARGV[4] ~= '' and h[2] ~= ARGV[4] then return 0 end
+requeue_job(ARGV[3], streamed_csv(ARGV[3]))
 return 1

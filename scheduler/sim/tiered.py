@@ -13,8 +13,8 @@ from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 from engine.step_scheduler import RankBacklog
-from scheduler.admission import NoCapacityError, SloUnattainableError, check_slo
-from scheduler.backend import JobStatus
+from scheduler.admission import NoCapacityError, check_slo
+from scheduler.backend import JobStatus, SloUnattainableError
 from scheduler.job import Job
 from scheduler.memory_backend import MemoryBackend
 from scheduler.policy import PolicyConfig, TierConfig

@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from scheduler.admission import (
     AdmissionConfig,
     NoCapacityError,
-    SloUnattainableError,
     admit,
     predict_ttft_ms,
 )
-from scheduler.backend import FleetCapacity, QueueFullError, WorkAhead
+from scheduler.backend import (
+    DuplicateJobError,
+    FleetCapacity,
+    QueueFullError,
+    SloBudget,
+    SloUnattainableError,
+    UnknownTierError,
+    WorkAhead,
+)
 from scheduler.policy import TierConfig
 
 PRIORITY = TierConfig("priority", rank=0, ttft_slo_ms=500.0)
@@ -115,3 +124,51 @@ async def test_batch_is_bounded_only_by_queue_caps(backend, make_job) -> None:
         assert await admit(backend, make_job("b", "batch", num_prompt_tokens=10_000), BATCH) is None
     with pytest.raises(QueueFullError):
         await admit(backend, make_job("b", "batch"), BATCH)
+
+
+async def test_concurrent_admissions_each_see_the_work_the_others_queued(backend, make_job) -> None:
+    # Twenty requests arrive at once, as at several gateways. Checked apart from the
+    # enqueue, all twenty would see an empty queue and all would be admitted; the queue
+    # checks each against what it holds at that moment, so only those that fit are.
+    await backend.configure_tiers([PRIORITY])
+    await backend.publish_capacity(
+        "w1", prefill_tokens_per_s=1_000.0, decode_tokens_per_s=100.0, ttl_ms=60_000
+    )
+    prefill_only = AdmissionConfig(decode_ahead_fraction=0.0)
+    jobs = [make_job(f"t{i}", "priority", num_prompt_tokens=100) for i in range(20)]
+    outcomes = await asyncio.gather(
+        *(admit(backend, job, PRIORITY, prefill_only) for job in jobs), return_exceptions=True
+    )
+    admitted = [o for o in outcomes if isinstance(o, float)]
+    refused = [o for o in outcomes if isinstance(o, SloUnattainableError)]
+    # 500 ms of SLO at 1,000 prompt tokens/s: five jobs of 100 tokens, each predicted
+    # after those queued before it.
+    assert sorted(admitted) == pytest.approx([100.0, 200.0, 300.0, 400.0, 500.0])
+    assert len(refused) == 15
+    assert (await backend.depth())["priority"].num_jobs == 5
+
+
+async def test_an_slo_refusal_leaves_no_trace_and_checks_come_in_order(backend, make_job) -> None:
+    await backend.configure_tiers([PRIORITY, BATCH])
+    tight = SloBudget(ttft_slo_ms=50.0, prefill_tokens_per_s=1_000.0, decode_tokens_per_s=0.0)
+    loose = SloBudget(ttft_slo_ms=5_000.0, prefill_tokens_per_s=1_000.0, decode_tokens_per_s=0.0)
+    job = make_job("me", "priority", num_prompt_tokens=100, job_id="refused-once")
+    with pytest.raises(SloUnattainableError) as refused:
+        await backend.enqueue(job, slo=tight)
+    assert refused.value.predicted_ttft_ms == pytest.approx(100.0)
+    assert refused.value.retry_after_ms == 50
+    assert await backend.depth() == {}
+    assert await backend.job_status(job.job_id) is None
+    # Refused is not known: the same id is queued once it fits.
+    assert await backend.enqueue(job, slo=loose) == pytest.approx(100.0)
+    # Unknown tier before the SLO; the SLO before a duplicate id; a full queue after both.
+    with pytest.raises(UnknownTierError):
+        await backend.enqueue(make_job("me", "nope"), slo=tight)
+    with pytest.raises(SloUnattainableError):
+        await backend.enqueue(job, slo=tight)
+    with pytest.raises(DuplicateJobError):
+        await backend.enqueue(job, slo=loose)
+    for _ in range(3):
+        await backend.enqueue(make_job("b", "batch"), slo=loose)
+    with pytest.raises(QueueFullError):
+        await backend.enqueue(make_job("b", "batch"), slo=loose)

@@ -169,10 +169,16 @@ async def test_requeue_goes_ahead_of_later_arrivals(backend, make_job) -> None:
     await backend.enqueue(a1)
     await backend.enqueue(a2)
     job = await backend.dispatch("w1", LEASE_MS)
-    assert not await backend.requeue(job.job_id, [1], worker_id="someone-else")
-    assert await backend.requeue(job.job_id, [4, 5], worker_id="w1")
+    assert await backend.publish_tokens(job.job_id, "w1", [4])
+    assert await backend.publish_tokens(job.job_id, "w1", [5])
+    assert not await backend.requeue(job.job_id, worker_id="someone-else")
+    assert await backend.requeue(job.job_id, worker_id="w1")
     again = await backend.dispatch("w1", LEASE_MS)
+    # It resumes after what its result stream holds: what the client has.
     assert (again.job_id, again.resumed_token_ids) == (a1.job_id, (4, 5))
+    assert await backend.publish_tokens(job.job_id, "w1", [6])
+    assert await backend.requeue(job.job_id)
+    assert (await backend.dispatch("w1", LEASE_MS)).resumed_token_ids == (4, 5, 6)
 
 
 async def test_cancel_queued_and_leased(backend, make_job) -> None:

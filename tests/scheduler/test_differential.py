@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.request import SamplingParams
+from scheduler.backend import SloBudget, SloUnattainableError
 from scheduler.job import Job
 from scheduler.memory_backend import MemoryBackend
 from scheduler.policy import PolicyConfig, TierConfig
@@ -35,6 +36,7 @@ enqueue = st.tuples(
     st.integers(1, 40),
     st.one_of(st.none(), st.integers(0, 6_000)),  # deadline, ms after now
     st.one_of(st.none(), st.integers(1, 6_000)),  # max_queue_ms
+    st.one_of(st.none(), st.integers(1, 3_000)),  # the TTFT SLO enqueue checks, ms
 )
 tier_change = st.tuples(
     st.just("tiers"),
@@ -64,14 +66,18 @@ operation = st.one_of(
 )
 
 
-async def replay(backend, clock: FakeClock, ops: list[tuple]) -> list[object]:
+async def replay(
+    backend, clock: FakeClock, ops: list[tuple], predictions: list[float]
+) -> list[object]:
+    """Every outcome of `ops` in order; the TTFTs enqueue predicted go to `predictions`
+    (floats, compared up to rounding)."""
     out: list[object] = []
     leased: list[str] = []
     known: list[str] = []
     for n, op in enumerate(ops):
         kind = op[0]
         if kind == "enqueue":
-            _, tenant, tier, num_prompt, max_tokens, deadline, max_queue_ms = op
+            _, tenant, tier, num_prompt, max_tokens, deadline, max_queue_ms, slo_ms = op
             now_s = clock.now_ms / 1000
             job = Job(
                 job_id=f"j{n}",
@@ -85,7 +91,16 @@ async def replay(backend, clock: FakeClock, ops: list[tuple]) -> list[object]:
                 max_queue_ms=max_queue_ms,
                 deadline_s=None if deadline is None else now_s + deadline / 1000,
             )
-            await backend.enqueue(job)
+            budget = None if slo_ms is None else SloBudget(slo_ms, 200.0, 50.0, n % 7, n % 5)
+            try:
+                predicted = await backend.enqueue(job, slo=budget)
+            except SloUnattainableError as refused:
+                out.append("refused")
+                predictions.append(refused.predicted_ttft_ms)
+                continue
+            out.append("queued")
+            if predicted is not None:
+                predictions.append(predicted)
             known.append(job.job_id)
         elif kind == "dispatch":
             job = await backend.dispatch("w", LEASE_MS)
@@ -99,7 +114,7 @@ async def replay(backend, clock: FakeClock, ops: list[tuple]) -> list[object]:
         elif kind == "complete" and leased:
             out.append(await backend.complete(leased.pop(op[1] % len(leased))))
         elif kind == "requeue" and leased:
-            out.append(await backend.requeue(leased.pop(op[1] % len(leased)), [1, 2]))
+            out.append(await backend.requeue(leased.pop(op[1] % len(leased))))
         elif kind == "publish" and leased:
             out.append(await backend.publish_tokens(leased[op[1] % len(leased)], "w", [op[2]]))
         elif kind == "cancel" and known:
@@ -133,8 +148,11 @@ async def run_both(ops: list[tuple]) -> tuple[list[object], list[object], list, 
     try:
         shared = RedisBackend(client, keys=keys, config=CONFIG, clock_ms=redis_clock)
         await shared.configure_tiers(tiers)
-        expected = await replay(memory, memory_clock, ops)
-        actual = await replay(shared, redis_clock, ops)
+        memory_predictions: list[float] = []
+        redis_predictions: list[float] = []
+        expected = await replay(memory, memory_clock, ops, memory_predictions)
+        actual = await replay(shared, redis_clock, ops, redis_predictions)
+        assert redis_predictions == pytest.approx(memory_predictions)
         ahead = [await b.work_ahead("interactive", "t1", 3.0, 10) for b in (memory, shared)]
     finally:
         await delete_keys(client, keys)

@@ -89,7 +89,8 @@ async def run(batched: bool, seed: int) -> list[object]:
             for job in leased[::3]:
                 await backend.charge(job.job_id, output_tokens=17)
             for job in leased[1::4]:
-                await backend.requeue(job.job_id, [1, 2])
+                await backend.publish_tokens(job.job_id, "w", [1, 2])
+                await backend.requeue(job.job_id)
             out.append(await snapshot(backend, jobs))
         drained = await backend.dispatch_many("w", 3_000, 10_000)
         out.append([j.job_id for j in drained])
@@ -152,7 +153,8 @@ async def test_fields_with_separators_round_trip() -> None:
         assert await backend.enqueue_many([job]) == ["ok"]
         (leased,) = await backend.dispatch_many("w", 1_000, 3)
         assert leased == job
-        assert await backend.requeue(job.job_id, [7, 8])
+        assert await backend.publish_tokens(job.job_id, "w", [7, 8])
+        assert await backend.requeue(job.job_id)
         again = await backend.dispatch("w", 1_000)
         assert again == Job(**{**job.__dict__, "resumed_token_ids": (7, 8)})
         assert (await backend.depth()) == {}
