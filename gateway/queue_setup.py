@@ -21,6 +21,7 @@ from scheduler.keys import KeySpace
 from scheduler.memory_backend import MemoryBackend
 from scheduler.rate_limit import MemoryRateLimiter, RedisRateLimiter
 from scheduler.redis_backend import RedisBackend
+from scheduler.script_channel import ScriptChannel
 
 # A result read blocks up to RESULT_POLL_MS; the socket timeout must stay above it.
 RESULT_POLL_MS = 500
@@ -41,6 +42,7 @@ class QueueSetup:
     limiter: Any  # MemoryRateLimiter or RedisRateLimiter: the same reserve/release
     redis: aioredis.Redis | None = None
     keys: KeySpace | None = None
+    channel: ScriptChannel | None = None
 
     @property
     def is_shared(self) -> bool:
@@ -52,6 +54,8 @@ class QueueSetup:
 
     async def aclose(self) -> None:
         await self.backend.aclose()
+        if self.channel is not None:
+            await self.channel.aclose()
 
 
 def redis_client(url: str) -> aioredis.Redis:
@@ -73,6 +77,12 @@ def build_queue(redis_url: str | None, redis_prefix: str) -> QueueSetup:
         return QueueSetup(MemoryBackend(), MemoryRateLimiter())
     client = redis_client(redis_url)
     keys = KeySpace(redis_prefix)
+    # The request path's script calls, queue and limits alike, share one connection.
+    channel = ScriptChannel.for_client(client)
     return QueueSetup(
-        RedisBackend(client, keys=keys), RedisRateLimiter(client, keys=keys), client, keys
+        RedisBackend(client, keys=keys, channel=channel),
+        RedisRateLimiter(client, keys=keys, channel=channel),
+        client,
+        keys,
+        channel,
     )

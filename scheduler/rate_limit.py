@@ -23,6 +23,7 @@ import redis.asyncio as aioredis
 
 from scheduler.keys import KeySpace
 from scheduler.redis_backend import load_script_source, unavailable_as_error
+from scheduler.script_channel import ScriptChannel, run_script
 
 UNITS_PER_TOKEN = 60_000  # one token (or request) in bucket units; ms per minute
 DEFAULT_HOLD_MS = 600_000
@@ -232,7 +233,11 @@ class RedisRateLimiter:
         *,
         keys: KeySpace | None = None,
         clock_ms: Callable[[], int] = wall_clock_ms,
+        channel: ScriptChannel | None = None,
     ) -> None:
+        """Script calls go over `channel` when given (its owner closes it), else through
+        redis-py."""
+        self._channel = channel
         self._keys = keys or KeySpace()
         self._clock_ms = clock_ms
         self._reserve = client.register_script(
@@ -254,9 +259,10 @@ class RedisRateLimiter:
         """Take one request and `num_tokens` tokens, or raise RateLimitExceededError."""
         rid = reservation_id or uuid.uuid4().hex
         with unavailable_as_error():
-            outcome, wait, req, tok, _ = await self._reserve(
-                keys=[],
-                args=[
+            outcome, wait, req, tok, _ = await run_script(
+                self._reserve,
+                self._channel,
+                [
                     self._keys.prefix,
                     self._clock_ms(),
                     tenant_id,
@@ -277,9 +283,10 @@ class RedisRateLimiter:
         """Free the concurrency slot and refund unused tokens; False if already released."""
         refund = max(0, reservation.num_tokens - num_used_tokens)
         with unavailable_as_error():
-            released = await self._release(
-                keys=[],
-                args=[
+            released = await run_script(
+                self._release,
+                self._channel,
+                [
                     self._keys.prefix,
                     self._clock_ms(),
                     reservation.tenant_id,

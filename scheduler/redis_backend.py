@@ -47,6 +47,7 @@ from scheduler.job import Job
 from scheduler.keys import KeySpace, lua_key_table
 from scheduler.memory_backend import wall_clock_ms
 from scheduler.policy import PolicyConfig, TierConfig
+from scheduler.script_channel import ScriptChannel, run_script
 
 # Jobs per script call in enqueue_many and dispatch_many: enough to spread the fixed cost
 # of a call, few enough that one call holds Redis (single-threaded) for at most a few ms.
@@ -158,10 +159,14 @@ class RedisBackend:
         finished_ttl_ms: int = 3_600_000,
         result_ttl_ms: int = 3_600_000,
         max_reclaim: int = 256,
+        channel: ScriptChannel | None = None,
     ) -> None:
+        """Script calls go over `channel` when given (its owner closes it), else through
+        redis-py."""
         if not client.connection_pool.connection_kwargs.get("decode_responses"):
             raise ValueError("RedisBackend needs a client created with decode_responses=True")
         self._redis = client
+        self._channel = channel
         self._keys = keys or KeySpace()
         self._config = config or PolicyConfig()
         self._clock_ms = clock_ms
@@ -192,7 +197,9 @@ class RedisBackend:
 
     async def _run(self, script: str, *args: object) -> Any:
         with unavailable_as_error():
-            return await self._scripts[script](keys=[], args=[self._keys.prefix, *args])
+            return await run_script(
+                self._scripts[script], self._channel, [self._keys.prefix, *args]
+            )
 
     # -- tiers -------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from scheduler.keys import KeySpace
 from scheduler.memory_backend import MemoryBackend
 from scheduler.policy import PolicyConfig, TierConfig
 from scheduler.redis_backend import RedisBackend
+from scheduler.script_channel import ScriptChannel
 
 REDIS_URL = os.environ.get("TIERGATE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -110,11 +111,16 @@ async def backend(
     clock: FakeClock,
     redis_client: aioredis.Redis,
     keys: KeySpace,
-) -> MemoryBackend | RedisBackend:
+) -> AsyncIterator[MemoryBackend | RedisBackend]:
     config = PolicyConfig(share_window_ms=10_000, share_buckets=5, deadline_margin_ms=5_000)
+    channel = None
     if request.param == "memory":
         made: MemoryBackend | RedisBackend = MemoryBackend(config=config, clock_ms=clock)
     else:
-        made = RedisBackend(redis_client, keys=keys, config=config, clock_ms=clock)
+        # Script calls over the multiplexed connection, as a gateway or worker makes them.
+        channel = ScriptChannel.for_client(redis_client)
+        made = RedisBackend(redis_client, keys=keys, config=config, clock_ms=clock, channel=channel)
     await made.configure_tiers(TIERS)
-    return made
+    yield made
+    if channel is not None:
+        await channel.aclose()
