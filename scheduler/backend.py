@@ -98,6 +98,10 @@ class ResultEvent:
     finish_reason: str = ""
     code: str = ""
     message: str = ""
+    # On the first event a lease publishes: how long the job waited before that lease,
+    # measured by the worker from the job's arrival_s (so the gateway needs no event of
+    # its own to learn when the job left the queue).
+    queue_wait_ms: float | None = None
 
     @property
     def is_terminal(self) -> bool:
@@ -267,10 +271,7 @@ class QueueBackend(Protocol):
         Charges its prompt tokens to the tenant on its first lease. The job's `rank` is the
         tier's current rank and `resumed_token_ids` holds what the client already has.
         Jobs queued past their max_queue_ms are dropped first, ending their result stream
-        with an error event of code `queue_timeout`. The leased job's result stream gets a
-        tokens event without tokens: the mark that it left the queue (JobStream reads
-        the queue wait from it), written with the lease so no worker spends a round trip
-        on it.
+        with an error event of code `queue_timeout`.
         """
         ...
 
@@ -316,13 +317,25 @@ class QueueBackend(Protocol):
         ...
 
     async def publish_tokens(
-        self, job_id: str, worker_id: str, token_ids: Sequence[int], text: str = ""
+        self,
+        job_id: str,
+        worker_id: str,
+        token_ids: Sequence[int],
+        text: str = "",
+        *,
+        queue_wait_ms: float | None = None,
     ) -> bool:
-        """Append tokens to the result stream; False if the worker no longer holds the job."""
+        """Append tokens to the result stream; False if the worker no longer holds the job.
+        `queue_wait_ms` goes with the first event of a lease (ResultEvent)."""
         ...
 
     async def complete(
-        self, job_id: str, *, worker_id: str | None = None, finish_reason: str = "stop"
+        self,
+        job_id: str,
+        *,
+        worker_id: str | None = None,
+        finish_reason: str = "stop",
+        queue_wait_ms: float | None = None,
     ) -> bool:
         """End the stream with a done event and finish the job, atomically."""
         ...

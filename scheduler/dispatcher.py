@@ -97,6 +97,9 @@ def default_worker_id() -> str:
 @dataclass
 class _Running:
     job: Job
+    # Sent with the lease's first event, then None: the job's wait from its arrival at
+    # the gateway to this lease (wall clocks of the two hosts).
+    queue_wait_ms: float | None = None
     task: asyncio.Task[None] | None = None
     # Set by a drain: hand the job back at the next token. Cancelling the task alone is
     # not enough: a cancellation that lands inside a Redis call may be absorbed there.
@@ -215,9 +218,10 @@ class Dispatcher:
                 log.warning("cannot lease work: %s", exc)
                 await asyncio.sleep(0.5)
                 continue
+            leased_s = time.time()
             for job in jobs:
                 self.num_dispatched += 1
-                running = _Running(job)
+                running = _Running(job, max(0.0, (leased_s - job.arrival_s) * 1000.0))
                 running.task = asyncio.create_task(self._drive(running), name=f"job-{job.job_id}")
                 self._running[job.job_id] = running
             if len(jobs) < num_wanted:
@@ -267,12 +271,16 @@ class Dispatcher:
 
     async def _drive(self, running: _Running) -> None:
         job, backend, worker = running.job, self._backend, self.worker_id
-        # The queue marked the lease in the job's result stream as it leased it; every
-        # publish below checks this worker still holds the job.
+        # Every publish below checks this worker still holds the job.
         try:
             remaining = job.params.max_tokens - len(job.resumed_token_ids)
             if remaining <= 0:  # the previous worker streamed everything but the end
-                await backend.complete(job.job_id, worker_id=worker, finish_reason="length")
+                await backend.complete(
+                    job.job_id,
+                    worker_id=worker,
+                    finish_reason="length",
+                    queue_wait_ms=running.queue_wait_ms,
+                )
                 return
             # The engine continues after the resumed tokens, which count toward max_tokens.
             request = {
@@ -296,10 +304,10 @@ class Dispatcher:
                     text = "".join(output.text_delta for output in batch)
                     finish_reason = _finish_reason(batch[-1])
                     has_news = new_ids or text or finish_reason is not None
-                    if has_news and not await self._publish_step(
-                        job.job_id, new_ids, text, finish_reason
-                    ):
-                        return  # cancelled, or reclaimed by another worker
+                    if has_news:
+                        if not await self._publish_step(running, new_ids, text, finish_reason):
+                            return  # cancelled, or reclaimed by another worker
+                        running.queue_wait_ms = None  # sent
                     if finish_reason is not None:
                         return
                     if running.is_handed_back:
@@ -331,25 +339,37 @@ class Dispatcher:
             self._capacity_freed.set()
 
     async def _publish_step(
-        self, job_id: str, token_ids: list[int], text: str, finish_reason: str | None
+        self, running: _Running, token_ids: list[int], text: str, finish_reason: str | None
     ) -> bool:
         """Publish one step's tokens, charge them and (when finished) complete the job;
-        False when this worker no longer holds it. One round trip where the backend
-        offers `publish_step` (Redis), else the three calls in turn."""
-        backend, worker = self._backend, self.worker_id
+        False when this worker no longer holds it. The lease's queue wait goes with the
+        first event. One round trip where the backend offers `publish_step` (Redis),
+        else the three calls in turn."""
+        backend, worker, job_id = self._backend, self.worker_id, running.job.job_id
+        waited_ms = running.queue_wait_ms
         publish_step = getattr(backend, "publish_step", None)
         if publish_step is not None:
             return bool(
                 await publish_step(
-                    job_id, worker, token_ids, text, finish_reason=finish_reason or ""
+                    job_id,
+                    worker,
+                    token_ids,
+                    text,
+                    finish_reason=finish_reason or "",
+                    queue_wait_ms=waited_ms,
                 )
             )
         if token_ids or text:
-            if not await backend.publish_tokens(job_id, worker, token_ids, text):
+            if not await backend.publish_tokens(
+                job_id, worker, token_ids, text, queue_wait_ms=waited_ms
+            ):
                 return False
             await backend.charge(job_id, output_tokens=len(token_ids))
+            waited_ms = None
         if finish_reason is not None:
-            await backend.complete(job_id, worker_id=worker, finish_reason=finish_reason)
+            await backend.complete(
+                job_id, worker_id=worker, finish_reason=finish_reason, queue_wait_ms=waited_ms
+            )
         return True
 
     # ----------------------------------------------------------------- heartbeat

@@ -321,7 +321,6 @@ class MemoryBackend:
         entry.lease_until_ms = now_ms + lease_ms
         entry.num_leases += 1
         heapq.heappush(self._leases, (entry.lease_until_ms, job_id))
-        self._stream(job_id).append(EventKind.TOKENS)  # the lease marker (see dispatch)
         rank = self._rank(job.tier)
         if job.rank != rank or job.resumed_token_ids != entry.resumed_token_ids:
             job = entry.job = replace(job, rank=rank, resumed_token_ids=entry.resumed_token_ids)
@@ -645,20 +644,35 @@ class MemoryBackend:
         return entry
 
     async def publish_tokens(
-        self, job_id: str, worker_id: str, token_ids: Sequence[int], text: str = ""
+        self,
+        job_id: str,
+        worker_id: str,
+        token_ids: Sequence[int],
+        text: str = "",
+        *,
+        queue_wait_ms: float | None = None,
     ) -> bool:
         if self._owned(job_id, worker_id) is None:
             return False
-        self._stream(job_id).append(EventKind.TOKENS, token_ids=tuple(token_ids), text=text)
+        self._stream(job_id).append(
+            EventKind.TOKENS, token_ids=tuple(token_ids), text=text, queue_wait_ms=queue_wait_ms
+        )
         return True
 
     async def complete(
-        self, job_id: str, *, worker_id: str | None = None, finish_reason: str = "stop"
+        self,
+        job_id: str,
+        *,
+        worker_id: str | None = None,
+        finish_reason: str = "stop",
+        queue_wait_ms: float | None = None,
     ) -> bool:
         entry = self._owned(job_id, worker_id)
         if entry is None:
             return False
-        self._stream(job_id).append(EventKind.DONE, finish_reason=finish_reason)
+        self._stream(job_id).append(
+            EventKind.DONE, finish_reason=finish_reason, queue_wait_ms=queue_wait_ms
+        )
         self._finish(entry, JobStatus.DONE, self._clock_ms())
         return True
 

@@ -466,6 +466,7 @@ class RedisBackend:
         finish_reason: str = "",
         code: str = "",
         message: str = "",
+        queue_wait_ms: float | None = None,
     ) -> bool:
         sid = await self._run(
             "publish",
@@ -480,20 +481,43 @@ class RedisBackend:
             message,
             self._result_ttl_ms,
             self._finished_ttl_ms,
+            _optional(queue_wait_ms),
         )
         return bool(sid)
 
     async def publish_tokens(
-        self, job_id: str, worker_id: str, token_ids: Sequence[int], text: str = ""
+        self,
+        job_id: str,
+        worker_id: str,
+        token_ids: Sequence[int],
+        text: str = "",
+        *,
+        queue_wait_ms: float | None = None,
     ) -> bool:
         return await self._publish(
-            job_id, worker_id, EventKind.TOKENS, token_ids=token_ids, text=text
+            job_id,
+            worker_id,
+            EventKind.TOKENS,
+            token_ids=token_ids,
+            text=text,
+            queue_wait_ms=queue_wait_ms,
         )
 
     async def complete(
-        self, job_id: str, *, worker_id: str | None = None, finish_reason: str = "stop"
+        self,
+        job_id: str,
+        *,
+        worker_id: str | None = None,
+        finish_reason: str = "stop",
+        queue_wait_ms: float | None = None,
     ) -> bool:
-        return await self._publish(job_id, worker_id, EventKind.DONE, finish_reason=finish_reason)
+        return await self._publish(
+            job_id,
+            worker_id,
+            EventKind.DONE,
+            finish_reason=finish_reason,
+            queue_wait_ms=queue_wait_ms,
+        )
 
     async def fail(
         self, job_id: str, *, code: str, message: str, worker_id: str | None = None
@@ -508,10 +532,12 @@ class RedisBackend:
         text: str = "",
         *,
         finish_reason: str = "",
+        queue_wait_ms: float | None = None,
     ) -> bool:
         """One engine step in one round trip: publish_tokens (when there are tokens or
-        text), charge for them and, with a `finish_reason`, complete. False (nothing
-        written) when `worker_id` no longer holds the job."""
+        text), charge for them and, with a `finish_reason`, complete; `queue_wait_ms` goes
+        with the first of those events. False (nothing written) when `worker_id` no longer
+        holds the job."""
         c = self._config
         published = await self._run(
             "publish_step",
@@ -527,6 +553,7 @@ class RedisBackend:
             finish_reason,
             self._result_ttl_ms,
             self._finished_ttl_ms,
+            _optional(queue_wait_ms),
         )
         return bool(published)
 
@@ -607,4 +634,5 @@ def _event(entry_id: str, fields: dict[str, str]) -> ResultEvent:
         finish_reason=fields.get("f", ""),
         code=fields.get("c", ""),
         message=fields.get("m", ""),
+        queue_wait_ms=float(fields["q"]) if "q" in fields else None,
     )

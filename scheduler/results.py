@@ -6,8 +6,9 @@ events (published by whichever worker holds the job, possibly several in turn af
 worker died) into `StreamOutput`s. Cancelling the job (the client went away) removes it
 from the queue, or makes its worker abort it at its next publish or heartbeat.
 
-The first event of each lease carries no tokens: the queue writes it as it leases the
-job, marking the moment the job left the queue, so the gateway can report the queue wait.
+The first event a lease publishes carries the job's queue wait (ResultEvent.queue_wait_ms),
+so the gateway learns when the job left the queue without an event, and a wake-up, of
+its own.
 """
 
 from __future__ import annotations
@@ -101,7 +102,9 @@ class JobStream:
     def __init__(self, job: Job, enqueued_s: float) -> None:
         self.job = job
         self.enqueued_s = enqueued_s  # monotonic
-        self.dispatched_s: float | None = None  # monotonic, the first lease's start marker
+        # Monotonic: when the job left the queue, known from the first event (its
+        # queue_wait_ms, else the event's arrival).
+        self.dispatched_s: float | None = None
         self.num_output_tokens = 0
         self._items: asyncio.Queue[Any] = asyncio.Queue()
         self._reader: asyncio.Task[None] | None = None
@@ -128,14 +131,12 @@ class JobStream:
             async for event in events:
                 if event.kind is EventKind.TOKENS:
                     if self.dispatched_s is None:
-                        self.dispatched_s = time.monotonic()
-                    if not event.token_ids and not event.text:
-                        continue  # the lease marker
+                        self._dispatched(event)
                     self.num_output_tokens += len(event.token_ids)
                     self._put(self._output(event, finished=False))
                 elif event.kind is EventKind.DONE:
                     if self.dispatched_s is None:
-                        self.dispatched_s = time.monotonic()
+                        self._dispatched(event)
                     self._put(self._output(event, finished=True))
                     self._end(None)
                     return
@@ -148,6 +149,15 @@ class JobStream:
             raise
         except Exception as exc:
             self._end(exc)
+
+    def _dispatched(self, event: ResultEvent) -> None:
+        now_s = time.monotonic()
+        if event.queue_wait_ms is None:
+            self.dispatched_s = now_s
+            return
+        # The worker measured from the job's arrival_s on its own clock: kept between
+        # the enqueue and now, whatever the two hosts' clocks say.
+        self.dispatched_s = min(now_s, self.enqueued_s + event.queue_wait_ms / 1000.0)
 
     def _output(self, event: ResultEvent, *, finished: bool) -> StreamOutput:
         return StreamOutput(

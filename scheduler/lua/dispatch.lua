@@ -9,9 +9,6 @@
 -- Returns: one string per leased job, in order: "<rank>|<resumed token csv>|<job JSON>"
 -- (fewer jobs than asked, or none, when the queue runs dry). One string per job,
 -- because parsing reply elements was a large part of the client's cost.
--- Each lease also appends a tokens event without tokens to the job's result stream: the
--- gateway's mark of the moment the job left the queue, written here rather than by the
--- worker so that it costs no round trip of its own.
 local now, worker, lease_ms = tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
 local in_w, out_w = tonumber(ARGV[5]), tonumber(ARGV[6])
 local bucket_ms, num_buckets = tonumber(ARGV[7]), tonumber(ARGV[8])
@@ -108,7 +105,6 @@ local function dispatch_one()
   redis.call('HSET', key, 'st', 'leased', 'wk', worker, 'lu', lease_until, 'chg', 1,
     'att', (tonumber(h[11]) or 0) + 1)
   redis.call('ZADD', K.leases, lease_until, id)
-  emit(id, ARGV[12], {'k', 'tokens'})
   return string.format('%d', rank_of(tiers, tier)) .. '|' .. (h[8] or '') .. '|' .. h[7]
 end
 

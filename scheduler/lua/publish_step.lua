@@ -4,13 +4,20 @@
 -- KEYS: none; every key derives from the prefix in ARGV[1] (scheduler/keys.py).
 -- ARGV: 1 prefix, 2 now_ms, 3 job_id, 4 worker_id, 5 token ids csv, 6 text,
 --       7 output tokens, 8 input_token_weight, 9 output_token_weight, 10 share_bucket_ms,
---       11 finish reason ('' while the job runs on), 12 result_ttl_ms, 13 finished_ttl_ms
+--       11 finish reason ('' while the job runs on), 12 result_ttl_ms, 13 finished_ttl_ms,
+--       14 queue wait ms or '' (on the step's first event; see ResultEvent)
 -- Returns: 1 when published, 0 when the worker no longer holds the job (nothing written).
 local id = ARGV[3]
 local h = redis.call('HMGET', K.job .. id, 'st', 'wk', 'tier', 'tenant', 'w')
 if h[1] ~= 'leased' or h[2] ~= ARGV[4] then return 0 end
+local wait = ARGV[14]
 if ARGV[5] ~= '' or ARGV[6] ~= '' then
   local fields = {'k', 'tokens'}
+  if wait ~= '' then
+    fields[#fields + 1] = 'q'
+    fields[#fields + 1] = wait
+    wait = ''
+  end
   if ARGV[5] ~= '' then
     fields[#fields + 1] = 't'
     fields[#fields + 1] = ARGV[5]
@@ -24,7 +31,12 @@ if ARGV[5] ~= '' or ARGV[6] ~= '' then
     tonumber(ARGV[9]), tonumber(ARGV[2]), tonumber(ARGV[10]))
 end
 if ARGV[11] ~= '' then
-  emit(id, ARGV[12], {'k', 'done', 'f', ARGV[11]})
+  local fields = {'k', 'done', 'f', ARGV[11]}
+  if wait ~= '' then
+    fields[#fields + 1] = 'q'
+    fields[#fields + 1] = wait
+  end
+  emit(id, ARGV[12], fields)
   finish(id, 'done', ARGV[13])
 end
 return 1

@@ -204,11 +204,8 @@ async def test_results_resume_from_a_cursor(backend, make_job) -> None:
     seen = []
     async for event in backend.results("r1"):
         seen.append(event)
-        if len(seen) == 3:
+        if len(seen) == 2:
             break
-    # The lease wrote its marker first: a tokens event without tokens.
-    assert (seen[0].kind, seen[0].token_ids, seen[0].text) == (EventKind.TOKENS, (), "")
-    assert [e.token_ids for e in seen[1:]] == [(1,), (2,)]
     reader = asyncio.create_task(_collect(backend.results("r1", seen[-1].cursor)))
     await asyncio.sleep(0.01)
     assert await backend.publish_tokens("r1", "w1", [4])
@@ -216,6 +213,24 @@ async def test_results_resume_from_a_cursor(backend, make_job) -> None:
     rest = await asyncio.wait_for(reader, 5)
     assert [t for e in rest for t in e.token_ids] == [3, 4]
     assert rest[-1].is_terminal
+
+
+async def test_the_queue_wait_travels_with_an_event(backend, make_job) -> None:
+    await backend.enqueue(make_job("a"))
+    await backend.enqueue(make_job("a"))
+    first, second = await backend.dispatch_many("w1", LEASE_MS, 2)
+    assert await backend.publish_tokens(first.job_id, "w1", [7], queue_wait_ms=12.5)
+    assert await backend.publish_tokens(first.job_id, "w1", [8])
+    assert await backend.complete(first.job_id, worker_id="w1")
+    assert await backend.complete(second.job_id, worker_id="w1", queue_wait_ms=0.25)
+    events = [e async for e in backend.results(first.job_id)]
+    assert [(e.token_ids, e.queue_wait_ms) for e in events] == [
+        ((7,), 12.5),
+        ((8,), None),
+        ((), None),
+    ]
+    (done,) = [e async for e in backend.results(second.job_id)]
+    assert (done.kind, done.queue_wait_ms) == (EventKind.DONE, 0.25)
 
 
 async def _collect(events) -> list:
@@ -301,7 +316,7 @@ async def test_memory_backend_lets_finished_results_go_after_their_ttl(make_job,
     await backend.enqueue(first)
     await drain(backend, 1)
     again = [e async for e in backend.results(first.job_id)]  # still there to re-read
-    assert [e.kind for e in again] == [EventKind.TOKENS, EventKind.DONE]  # marker, done
+    assert [e.kind for e in again] == [EventKind.DONE]
     for _ in range(200):
         clock.advance(100)
         await backend.enqueue(make_job("a"))

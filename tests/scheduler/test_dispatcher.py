@@ -289,3 +289,32 @@ async def test_a_burst_is_leased_in_one_call_up_to_the_engines_room() -> None:
         await dispatcher.aclose(0)
         await jobs.aclose()
         engine.shutdown()
+
+
+@pytest.mark.parametrize("queue", ["memory", "redis"])
+async def test_the_queue_wait_the_client_sees_is_the_time_before_the_lease(
+    engine, queue: str
+) -> None:
+    client = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
+    keys = unique_keys()
+    backend = MemoryBackend(TIERS) if queue == "memory" else RedisBackend(client, keys=keys)
+    await backend.configure_tiers(TIERS)
+    await _idle(engine)
+    jobs = JobClient(backend, poll_ms=100)
+    dispatcher = Dispatcher(backend, engine, worker_id="w", config=FAST)
+    try:
+        started_s = time.monotonic()
+        stream = await jobs.submit_and_wait(_job("waited", 0, 3))
+        await asyncio.sleep(0.3)  # no worker yet: the job waits in the queue
+        dispatcher.start()
+        leased_by_s = time.monotonic() - started_s
+        assert len(_tokens(await _drain(stream))) == 3
+        # Known from the first event alone (no event of its own), and as long as the
+        # job was left waiting: at least the 0.3 s, no more than until the lease.
+        assert stream.queue_wait_ms is not None
+        assert 300.0 <= stream.queue_wait_ms <= leased_by_s * 1000.0 + 250.0
+    finally:
+        await dispatcher.aclose(0)
+        await jobs.aclose()
+        await delete_keys(client, keys)
+        await client.aclose()
