@@ -5,7 +5,9 @@
 1. Redis backend: 1,000 tenants over 3 tiers; jobs are enqueued and then dispatched in
    pipelined batches of --batch (enqueue_many / dispatch_many: every job is still its own
    atomic policy decision), against raw RPUSH + LPOP of the same payload to the same
-   1,000 keys, pipelined in the same batches, on the same server. Raw and backend runs
+   1,000 keys, pipelined in the same batches, on the same server. The backend sends its
+   script calls over its script channel, as gateways and workers do; raw goes through
+   redis-py (a pipeline per batch, a call per command). Raw and backend runs
    alternate, after a warm-up of each; the ratio is taken per repetition (so both sides
    see the same machine load) and the median is reported. Goal: at least 25% of raw.
 2. The same with one job per round trip (enqueue / dispatch against RPUSH / LPOP), the
@@ -37,6 +39,7 @@ from scheduler.keys import KeySpace
 from scheduler.memory_backend import MemoryBackend
 from scheduler.policy import TierConfig
 from scheduler.redis_backend import RedisBackend
+from scheduler.script_channel import ScriptChannel
 
 TIERS = [
     TierConfig("priority", rank=0),
@@ -68,7 +71,8 @@ def make_jobs(num_jobs: int, run: str) -> list[Job]:
 async def redis_pairs_per_s(client: aioredis.Redis, num_jobs: int, batch: int) -> float:
     """Backend enqueue+dispatch pairs per second; batch 1 = one call per round trip."""
     keys = KeySpace(f"{{bench-{uuid.uuid4().hex[:8]}}}:")
-    backend = RedisBackend(client, keys=keys)
+    channel = ScriptChannel.for_client(client)  # script calls as gateways and workers make them
+    backend = RedisBackend(client, keys=keys, channel=channel)
     await backend.configure_tiers(TIERS)
     jobs = make_jobs(num_jobs, "q")
     try:
@@ -88,6 +92,8 @@ async def redis_pairs_per_s(client: aioredis.Redis, num_jobs: int, batch: int) -
                 num_dispatched += len(await backend.dispatch_many("bench", 60_000, batch))
         elapsed = time.perf_counter() - start
     finally:
+        if channel is not None:
+            await channel.aclose()
         await _delete(client, keys.pattern())
     return num_jobs / elapsed
 

@@ -12,6 +12,7 @@ nothing is cached, so service resumes by itself when Redis is back.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import re
@@ -249,26 +250,47 @@ class RedisBackend:
         to a script call, so one call never holds Redis for long.
         """
         now_ms = self._clock_ms()
-        with unavailable_as_error():
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for i in range(0, len(jobs), MAX_JOBS_PER_CALL):
-                    args: list[object] = [self._keys.prefix, now_ms, ""]  # no SLO budget
-                    for job in jobs[i : i + MAX_JOBS_PER_CALL]:
-                        args.extend(_enqueue_fields(job))
-                    await self._scripts["enqueue"](keys=[], args=args, client=pipe)
-                replies = await pipe.execute()
+        calls = []
+        for i in range(0, len(jobs), MAX_JOBS_PER_CALL):
+            args: list[object] = [self._keys.prefix, now_ms, ""]  # no SLO budget
+            for job in jobs[i : i + MAX_JOBS_PER_CALL]:
+                args.extend(_enqueue_fields(job))
+            calls.append(args)
+        replies = await self._run_all("enqueue", calls)
         return [outcome for reply in replies for outcome in reply.split(" ")]
+
+    async def _run_all(self, script: str, calls: list[list[object]]) -> list[Any]:
+        """The replies of several calls of one script, run in order in one round trip:
+        issued together over the script channel (which writes them at once), else as a
+        redis-py pipeline."""
+        with unavailable_as_error():
+            if self._channel is not None:
+                return await asyncio.gather(
+                    *(run_script(self._scripts[script], self._channel, args) for args in calls)
+                )
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for args in calls:
+                    await self._scripts[script](keys=[], args=args, client=pipe)
+                return await pipe.execute()
 
     async def dispatch(self, worker_id: str, lease_ms: int) -> Job | None:
         leased = await self._run("dispatch", *self._dispatch_args(worker_id, lease_ms, 1))
         return _leased_job(leased[0]) if leased else None
 
     async def dispatch_many(self, worker_id: str, lease_ms: int, num_jobs: int) -> list[Job]:
-        """Script calls of at most MAX_JOBS_PER_CALL jobs each, the next only after one
-        that leased all it asked (the queue had more): one call for any lease of a worker
-        with less room than that, and no call on an emptied queue. Calls in turn rather
-        than pipelined, because a pipeline of scripts asks Redis SCRIPT EXISTS first,
-        a round trip of its own."""
+        """Script calls of at most MAX_JOBS_PER_CALL jobs each: one call for any lease of
+        a worker with less room than that. More go in one round trip over the script
+        channel; without one, in turn, the next only after one that leased all it asked
+        (a redis-py pipeline of scripts asks SCRIPT EXISTS first, a round trip itself)."""
+        if self._channel is not None and num_jobs > MAX_JOBS_PER_CALL:
+            sizes = [
+                min(MAX_JOBS_PER_CALL, num_jobs - i) for i in range(0, num_jobs, MAX_JOBS_PER_CALL)
+            ]
+            calls = [
+                [self._keys.prefix, *self._dispatch_args(worker_id, lease_ms, n)] for n in sizes
+            ]
+            replies = await self._run_all("dispatch", calls)
+            return [_leased_job(leased) for reply in replies for leased in reply]
         jobs: list[Job] = []
         while len(jobs) < num_jobs:
             asked = min(MAX_JOBS_PER_CALL, num_jobs - len(jobs))

@@ -15,6 +15,7 @@ from engine.request import SamplingParams
 from scheduler.job import Job
 from scheduler.policy import PolicyConfig, TierConfig
 from scheduler.redis_backend import MAX_JOBS_PER_CALL, RedisBackend
+from scheduler.script_channel import ScriptChannel
 
 from .conftest import REDIS_URL, FakeClock, delete_keys, unique_keys
 
@@ -58,11 +59,12 @@ async def snapshot(backend: RedisBackend, jobs: list[Job]) -> list[object]:
     return state
 
 
-async def run(batched: bool, seed: int) -> list[object]:
+async def run(batched: bool, seed: int, *, multiplexed: bool = False) -> list[object]:
     clock = FakeClock()
     client = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
     keys = unique_keys()
-    backend = RedisBackend(client, keys=keys, config=CONFIG, clock_ms=clock)
+    channel = ScriptChannel.for_client(client) if multiplexed else None
+    backend = RedisBackend(client, keys=keys, config=CONFIG, clock_ms=clock, channel=channel)
     out: list[object] = []
     try:
         await backend.configure_tiers(TIERS)
@@ -96,6 +98,8 @@ async def run(batched: bool, seed: int) -> list[object]:
         out.append([j.job_id for j in drained])
         out.append(await backend.dispatch_many("w", 3_000, 5))
     finally:
+        if channel is not None:
+            await channel.aclose()
         await delete_keys(client, keys)
         await client.aclose()
     return out
@@ -106,6 +110,8 @@ async def test_batched_calls_match_single_calls() -> None:
         single = await run(False, seed)
         batched = await run(True, seed)
         assert batched == single
+        # Over the script channel the calls of a batch go out together: the same outcomes.
+        assert await run(True, seed, multiplexed=True) == single
         # The workload really exercised every outcome and left nothing queued.
         outcomes = {o for round_ in single[0::3][:3] for o in round_}
         assert outcomes >= {"ok", "unknown_tier", "duplicate"}
