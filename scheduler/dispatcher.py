@@ -303,8 +303,7 @@ class Dispatcher:
                     new_ids = [t for output in batch for t in output.new_token_ids]
                     text = "".join(output.text_delta for output in batch)
                     finish_reason = _finish_reason(batch[-1])
-                    has_news = new_ids or text or finish_reason is not None
-                    if has_news:
+                    if new_ids or text or finish_reason is not None:
                         if not await self._publish_step(running, new_ids, text, finish_reason):
                             return  # cancelled, or reclaimed by another worker
                         running.queue_wait_ms = None  # sent
