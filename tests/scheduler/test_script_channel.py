@@ -192,3 +192,13 @@ def test_on_uvloop_as_the_servers_run_it() -> None:
             assert _local_address(channel) != address
 
     uvloop.run(scenario())
+
+
+async def test_connections_it_does_not_make_stay_on_redis_py() -> None:
+    # TLS and Unix sockets: no channel, so the queue's scripts go through redis-py.
+    for url in ("rediss://127.0.0.1:6380/0", "unix:///nonexistent/redis.sock"):
+        client = aioredis.Redis.from_url(url, decode_responses=True)
+        try:
+            assert ScriptChannel.for_client(client) is None
+        finally:
+            await client.aclose()
