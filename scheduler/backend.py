@@ -317,25 +317,30 @@ class QueueBackend(Protocol):
         ...
 
     async def publish_tokens(
+        self, job_id: str, worker_id: str, token_ids: Sequence[int], text: str = ""
+    ) -> bool:
+        """Append tokens to the result stream; False if the worker no longer holds the job."""
+        ...
+
+    async def publish_step(
         self,
         job_id: str,
         worker_id: str,
         token_ids: Sequence[int],
         text: str = "",
         *,
+        finish_reason: str = "",
         queue_wait_ms: float | None = None,
     ) -> bool:
-        """Append tokens to the result stream; False if the worker no longer holds the job.
-        `queue_wait_ms` goes with the first event of a lease (ResultEvent)."""
+        """One engine step of a leased job, atomically: its tokens event (when there are
+        tokens or text), their charge to the tenant and, with a `finish_reason`, the done
+        event that finishes the job. `queue_wait_ms` (the lease's first step) goes with
+        the first of those events (ResultEvent). False, with nothing written, when
+        `worker_id` no longer holds the job."""
         ...
 
     async def complete(
-        self,
-        job_id: str,
-        *,
-        worker_id: str | None = None,
-        finish_reason: str = "stop",
-        queue_wait_ms: float | None = None,
+        self, job_id: str, *, worker_id: str | None = None, finish_reason: str = "stop"
     ) -> bool:
         """End the stream with a done event and finish the job, atomically."""
         ...

@@ -275,9 +275,10 @@ class Dispatcher:
         try:
             remaining = job.params.max_tokens - len(job.resumed_token_ids)
             if remaining <= 0:  # the previous worker streamed everything but the end
-                await backend.complete(
+                await backend.publish_step(
                     job.job_id,
-                    worker_id=worker,
+                    worker,
+                    (),
                     finish_reason="length",
                     queue_wait_ms=running.queue_wait_ms,
                 )
@@ -340,36 +341,16 @@ class Dispatcher:
     async def _publish_step(
         self, running: _Running, token_ids: list[int], text: str, finish_reason: str | None
     ) -> bool:
-        """Publish one step's tokens, charge them and (when finished) complete the job;
-        False when this worker no longer holds it. The lease's queue wait goes with the
-        first event. One round trip where the backend offers `publish_step` (Redis),
-        else the three calls in turn."""
-        backend, worker, job_id = self._backend, self.worker_id, running.job.job_id
-        waited_ms = running.queue_wait_ms
-        publish_step = getattr(backend, "publish_step", None)
-        if publish_step is not None:
-            return bool(
-                await publish_step(
-                    job_id,
-                    worker,
-                    token_ids,
-                    text,
-                    finish_reason=finish_reason or "",
-                    queue_wait_ms=waited_ms,
-                )
-            )
-        if token_ids or text:
-            if not await backend.publish_tokens(
-                job_id, worker, token_ids, text, queue_wait_ms=waited_ms
-            ):
-                return False
-            await backend.charge(job_id, output_tokens=len(token_ids))
-            waited_ms = None
-        if finish_reason is not None:
-            await backend.complete(
-                job_id, worker_id=worker, finish_reason=finish_reason, queue_wait_ms=waited_ms
-            )
-        return True
+        """Publish one step (QueueBackend.publish_step), with the lease's queue wait on
+        its first; False when this worker no longer holds the job."""
+        return await self._backend.publish_step(
+            running.job.job_id,
+            self.worker_id,
+            token_ids,
+            text,
+            finish_reason=finish_reason or "",
+            queue_wait_ms=running.queue_wait_ms,
+        )
 
     # ----------------------------------------------------------------- heartbeat
     async def _heartbeat(self) -> None:

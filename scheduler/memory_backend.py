@@ -644,35 +644,46 @@ class MemoryBackend:
         return entry
 
     async def publish_tokens(
+        self, job_id: str, worker_id: str, token_ids: Sequence[int], text: str = ""
+    ) -> bool:
+        if self._owned(job_id, worker_id) is None:
+            return False
+        self._stream(job_id).append(EventKind.TOKENS, token_ids=tuple(token_ids), text=text)
+        return True
+
+    async def publish_step(
         self,
         job_id: str,
         worker_id: str,
         token_ids: Sequence[int],
         text: str = "",
         *,
-        queue_wait_ms: float | None = None,
-    ) -> bool:
-        if self._owned(job_id, worker_id) is None:
-            return False
-        self._stream(job_id).append(
-            EventKind.TOKENS, token_ids=tuple(token_ids), text=text, queue_wait_ms=queue_wait_ms
-        )
-        return True
-
-    async def complete(
-        self,
-        job_id: str,
-        *,
-        worker_id: str | None = None,
-        finish_reason: str = "stop",
+        finish_reason: str = "",
         queue_wait_ms: float | None = None,
     ) -> bool:
         entry = self._owned(job_id, worker_id)
         if entry is None:
             return False
-        self._stream(job_id).append(
-            EventKind.DONE, finish_reason=finish_reason, queue_wait_ms=queue_wait_ms
-        )
+        stream, now_ms = self._stream(job_id), self._clock_ms()
+        if token_ids or text:
+            stream.append(
+                EventKind.TOKENS, token_ids=tuple(token_ids), text=text, queue_wait_ms=queue_wait_ms
+            )
+            job = entry.job
+            self._charge(job.tier, job.tenant_id, job.weight, 0, len(token_ids), now_ms)
+            queue_wait_ms = None  # sent
+        if finish_reason:
+            stream.append(EventKind.DONE, finish_reason=finish_reason, queue_wait_ms=queue_wait_ms)
+            self._finish(entry, JobStatus.DONE, now_ms)
+        return True
+
+    async def complete(
+        self, job_id: str, *, worker_id: str | None = None, finish_reason: str = "stop"
+    ) -> bool:
+        entry = self._owned(job_id, worker_id)
+        if entry is None:
+            return False
+        self._stream(job_id).append(EventKind.DONE, finish_reason=finish_reason)
         self._finish(entry, JobStatus.DONE, self._clock_ms())
         return True
 

@@ -488,7 +488,6 @@ class RedisBackend:
         finish_reason: str = "",
         code: str = "",
         message: str = "",
-        queue_wait_ms: float | None = None,
     ) -> bool:
         sid = await self._run(
             "publish",
@@ -503,43 +502,20 @@ class RedisBackend:
             message,
             self._result_ttl_ms,
             self._finished_ttl_ms,
-            _optional(queue_wait_ms),
         )
         return bool(sid)
 
     async def publish_tokens(
-        self,
-        job_id: str,
-        worker_id: str,
-        token_ids: Sequence[int],
-        text: str = "",
-        *,
-        queue_wait_ms: float | None = None,
+        self, job_id: str, worker_id: str, token_ids: Sequence[int], text: str = ""
     ) -> bool:
         return await self._publish(
-            job_id,
-            worker_id,
-            EventKind.TOKENS,
-            token_ids=token_ids,
-            text=text,
-            queue_wait_ms=queue_wait_ms,
+            job_id, worker_id, EventKind.TOKENS, token_ids=token_ids, text=text
         )
 
     async def complete(
-        self,
-        job_id: str,
-        *,
-        worker_id: str | None = None,
-        finish_reason: str = "stop",
-        queue_wait_ms: float | None = None,
+        self, job_id: str, *, worker_id: str | None = None, finish_reason: str = "stop"
     ) -> bool:
-        return await self._publish(
-            job_id,
-            worker_id,
-            EventKind.DONE,
-            finish_reason=finish_reason,
-            queue_wait_ms=queue_wait_ms,
-        )
+        return await self._publish(job_id, worker_id, EventKind.DONE, finish_reason=finish_reason)
 
     async def fail(
         self, job_id: str, *, code: str, message: str, worker_id: str | None = None
@@ -556,10 +532,7 @@ class RedisBackend:
         finish_reason: str = "",
         queue_wait_ms: float | None = None,
     ) -> bool:
-        """One engine step in one round trip: publish_tokens (when there are tokens or
-        text), charge for them and, with a `finish_reason`, complete; `queue_wait_ms` goes
-        with the first of those events. False (nothing written) when `worker_id` no longer
-        holds the job."""
+        """QueueBackend.publish_step in one round trip (publish_step.lua)."""
         c = self._config
         published = await self._run(
             "publish_step",

@@ -3,7 +3,7 @@
 -- KEYS: none; every key derives from the prefix in ARGV[1] (scheduler/keys.py).
 -- ARGV: 1 prefix, 2 now_ms, 3 job_id, 4 worker_id or '' (any), 5 kind (tokens, done,
 --       error), 6 token ids csv, 7 text, 8 finish reason, 9 error code, 10 error message,
---       11 result_ttl_ms, 12 finished_ttl_ms, 13 queue wait ms or '' (see ResultEvent)
+--       11 result_ttl_ms, 12 finished_ttl_ms
 -- Returns: the stream entry id, or false when the worker no longer holds the job.
 local id, kind = ARGV[3], ARGV[5]
 local h = redis.call('HMGET', K.job .. id, 'st', 'wk')
@@ -16,10 +16,6 @@ for i, name in ipairs(names) do
     fields[#fields + 1] = name
     fields[#fields + 1] = ARGV[5 + i]
   end
-end
-if ARGV[13] ~= '' then
-  fields[#fields + 1] = 'q'
-  fields[#fields + 1] = ARGV[13]
 end
 local sid = emit(id, ARGV[11], fields)
 if kind == 'done' then

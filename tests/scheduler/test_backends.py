@@ -219,10 +219,12 @@ async def test_the_queue_wait_travels_with_an_event(backend, make_job) -> None:
     await backend.enqueue(make_job("a"))
     await backend.enqueue(make_job("a"))
     first, second = await backend.dispatch_many("w1", LEASE_MS, 2)
-    assert await backend.publish_tokens(first.job_id, "w1", [7], queue_wait_ms=12.5)
-    assert await backend.publish_tokens(first.job_id, "w1", [8])
-    assert await backend.complete(first.job_id, worker_id="w1")
-    assert await backend.complete(second.job_id, worker_id="w1", queue_wait_ms=0.25)
+    assert await backend.publish_step(first.job_id, "w1", [7], queue_wait_ms=12.5)
+    assert await backend.publish_step(first.job_id, "w1", [8])
+    assert await backend.publish_step(first.job_id, "w1", (), finish_reason="stop")
+    assert await backend.publish_step(
+        second.job_id, "w1", (), finish_reason="length", queue_wait_ms=0.25
+    )
     events = [e async for e in backend.results(first.job_id)]
     assert [(e.token_ids, e.queue_wait_ms) for e in events] == [
         ((7,), 12.5),
