@@ -4,6 +4,10 @@ A second gateway on the same database does not touch a batch while its owner liv
 once the owner is SIGKILLed its lease lapses and the second one finishes the batch.
 A gateway stopped gracefully hands its batch over at once. Either way the batch ends
 with exactly one result line per custom_id, none missing, none twice.
+
+The batch tier's concurrency limit paces the owner (a batch runs at most that many lines
+at once), so the batch outlives the checks on any machine; it is lifted before each
+takeover, and the gateway taking over reads the tier afresh.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from gateway.migrate import upgrade_to_head
 
 POSTGRES = "postgresql://postgres@127.0.0.1:5432"
 LEASE_S = 2.0
-NUM_LINES = 80
+NUM_LINES = 120
+PACED_CONCURRENCY = 1  # lines the owner runs at once while the test watches it
 pytestmark = pytest.mark.slow
 
 
@@ -144,6 +149,23 @@ def _key(gateway: Gateway, token: str) -> str:
         return key.json()["secret"]
 
 
+def _pace_batch_tier(gateways: list[Gateway], token: str, max_concurrency: int | None) -> None:
+    """Set the batch tier's concurrency limit through each gateway's admin API.
+
+    Each admin write drops that gateway's own tier cache, so all of them see the limit
+    at once, whoever owns or takes over the batch.
+    """
+    headers = {"authorization": f"Bearer {token}"}
+    for gateway in gateways:
+        response = httpx.patch(
+            f"{gateway.url}/admin/v1/tiers/batch",
+            json={"max_concurrency": max_concurrency},
+            headers=headers,
+            timeout=10,
+        )
+        response.raise_for_status()
+
+
 def _client(gateway: Gateway, key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=key, max_retries=0, timeout=30)
 
@@ -209,6 +231,7 @@ def test_sigkill_mid_batch_and_takeover(gateways, tmp_path: Path) -> None:
         gateway.wait_ready()
     key = _key(started[0], token)
     client = _client(started[0], key)
+    _pace_batch_tier(started, token, PACED_CONCURRENCY)
     batch_id = _submit(client)
     _wait_until(lambda: client.batches.retrieve(batch_id).request_counts.completed >= 3)
 
@@ -223,6 +246,7 @@ def test_sigkill_mid_batch_and_takeover(gateways, tmp_path: Path) -> None:
     assert batch.status == "in_progress", "the batch finished too early; make it longer"
     assert _owner(database, batch_id) == owner
 
+    _pace_batch_tier([survivor], token, None)
     owner_gateway.stop(signal.SIGKILL)
     client = _client(survivor, key)
     _wait_until(lambda: client.batches.retrieve(batch_id).status == "completed")
@@ -231,9 +255,12 @@ def test_sigkill_mid_batch_and_takeover(gateways, tmp_path: Path) -> None:
     # A graceful stop releases the lease: a waiting gateway takes over without the lapse.
     third = Gateway(database, token, tmp_path / "c")
     started.append(third)
-    batch_id = _submit(client)
     third.wait_ready()
+    _pace_batch_tier([survivor, third], token, PACED_CONCURRENCY)
+    batch_id = _submit(client)
     _wait_until(lambda: client.batches.retrieve(batch_id).request_counts.completed >= 3)
+    assert client.batches.retrieve(batch_id).status == "in_progress"
+    _pace_batch_tier([third], token, None)
     survivor.stop(signal.SIGTERM)
     # Released on the way out: free, or already taken by the third gateway.
     after = _owner(database, batch_id)
