@@ -12,6 +12,7 @@ import secrets
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -179,3 +180,13 @@ def live_server(live_database_url: str, tmp_path_factory) -> Iterator[LiveServer
     finally:
         server.close_clients()
         thread.stop()
+
+
+def paced_tier(admin: Any, **fields: Any) -> str:
+    """Create, through `admin` (an admin API client), a preemptible tier whose batches
+    run one line at a time (max_concurrency 1), so that a batch of long lines outlasts
+    what a test does meanwhile on any machine; returns its name."""
+    name = f"nightly-{uuid.uuid4().hex[:6]}"
+    tier = {"name": name, "rank": 9, "preemptible": True, "max_concurrency": 1, **fields}
+    admin.post("/tiers", json=tier).raise_for_status()
+    return name

@@ -21,6 +21,7 @@ from sqlalchemy import select
 
 from gateway.db.models import UsageRow
 from gateway.db.session import create_db_engine, create_sessionmaker
+from tests.gateway.conftest import paced_tier
 
 if TYPE_CHECKING:
     from tests.gateway.conftest import LiveServer
@@ -338,7 +339,9 @@ def _assert_one_result_each(client: openai.OpenAI, batch: Any, n: int) -> tuple[
 
 
 def test_cancel_returns_partial_results(live_server: LiveServer) -> None:
-    client = live_server.client(_tenant_key(live_server, "batch"))
+    with live_server.admin() as admin:
+        tier = paced_tier(admin)
+    client = live_server.client(_tenant_key(live_server, tier))
     n = 60
     created = _submit(client, _long_lines(n))
     deadline = time.monotonic() + 60
@@ -361,9 +364,7 @@ def test_cancel_returns_partial_results(live_server: LiveServer) -> None:
 
 def test_expiry_returns_finished_lines_and_expires_the_rest(live_server: LiveServer) -> None:
     with live_server.admin() as admin:
-        name = f"nightly-{uuid.uuid4().hex[:6]}"
-        tier = {"name": name, "rank": 9, "completion_window_s": 1, "preemptible": True}
-        admin.post("/tiers", json=tier).raise_for_status()
+        name = paced_tier(admin, completion_window_s=1)
     client = live_server.client(_tenant_key(live_server, name))
     n = 60
     created = _submit(client, _long_lines(n))

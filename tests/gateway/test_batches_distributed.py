@@ -42,6 +42,7 @@ from tests.fleet_processes import (
     stop_processes,
     wait_ready,
 )
+from tests.gateway.conftest import paced_tier
 
 pytestmark = pytest.mark.slow
 
@@ -338,7 +339,8 @@ def test_full_batch_queue_leaves_lines_pending_and_retries_them(fleet: Fleet) ->
 
 
 def test_cancel_ends_the_batch_and_drains_its_jobs(fleet: Fleet) -> None:
-    tenant_id, key = fleet.tenant()
+    with fleet.admin() as admin:
+        tenant_id, key = fleet.tenant(paced_tier(admin))
     client = fleet.client(key)
     n = 40
     batch_id = _submit(client, _lines(n, max_tokens=200))
@@ -355,11 +357,8 @@ def test_cancel_ends_the_batch_and_drains_its_jobs(fleet: Fleet) -> None:
 
 
 def test_expiry_ends_the_batch_and_drains_its_jobs(fleet: Fleet) -> None:
-    name = f"nightly-{uuid.uuid4().hex[:6]}"
     with fleet.admin() as admin:
-        tier = {"name": name, "rank": 9, "completion_window_s": 3, "preemptible": True}
-        admin.post("/tiers", json=tier).raise_for_status()
-    tenant_id, key = fleet.tenant(name)
+        tenant_id, key = fleet.tenant(paced_tier(admin, completion_window_s=3))
     client = fleet.client(key)
     n = 40
     batch_id = _submit(client, _lines(n, max_tokens=200))
