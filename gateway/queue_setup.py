@@ -32,7 +32,8 @@ RESULT_POLL_MS = 500
 # slower than 10 s means Redis is hung, not busy (a dispatch takes well under 1 ms).
 SOCKET_TIMEOUT_S = 10.0
 CONNECT_TIMEOUT_S = 2.0
-# Every open result stream holds a connection while it waits (XREAD BLOCK).
+# Without a script channel (TLS, Unix sockets) every open result stream holds a
+# connection while it waits (XREAD BLOCK); with one, one reader follows them all.
 MAX_CONNECTIONS = 4096
 
 

@@ -49,6 +49,7 @@ from scheduler.keys import KeySpace, lua_key_table
 from scheduler.memory_backend import wall_clock_ms
 from scheduler.policy import PolicyConfig, TierConfig
 from scheduler.script_channel import ScriptChannel, run_script
+from scheduler.stream_reader import StreamReader
 
 # Jobs per script call in enqueue_many and dispatch_many: enough to spread the fixed cost
 # of a call, few enough that one call holds Redis (single-threaded) for at most a few ms.
@@ -163,11 +164,13 @@ class RedisBackend:
         channel: ScriptChannel | None = None,
     ) -> None:
         """Script calls go over `channel` when given (its owner closes it), else through
-        redis-py."""
+        redis-py. With a channel, result streams are followed by one reader for the whole
+        process (stream_reader.py) instead of a blocking read per stream."""
         if not client.connection_pool.connection_kwargs.get("decode_responses"):
             raise ValueError("RedisBackend needs a client created with decode_responses=True")
         self._redis = client
         self._channel = channel
+        self._reader = None if channel is None else StreamReader(channel, is_last=_is_last_entry)
         self._keys = keys or KeySpace()
         self._config = config or PolicyConfig()
         self._clock_ms = clock_ms
@@ -556,6 +559,19 @@ class RedisBackend:
         self, job_id: str, after: str = START_CURSOR, *, poll_ms: int = 1000
     ) -> AsyncIterator[ResultEvent]:
         key = self._keys.results(job_id)
+        reader = self._reader
+        if reader is not None and reader.accepts(key):
+            entries = reader.follow(key, after)
+            try:
+                while True:
+                    with unavailable_as_error():
+                        entry = await anext(entries, None)
+                    if entry is None:
+                        return
+                    yield _event(*entry)
+            finally:
+                await entries.aclose()
+        # No shared reader, or one that cannot take this stream: a read of its own.
         cursor = after
         while True:
             with unavailable_as_error():
@@ -569,6 +585,8 @@ class RedisBackend:
                         return
 
     async def aclose(self) -> None:
+        if self._reader is not None:
+            await self._reader.aclose()
         await self._redis.aclose()
 
 
@@ -618,6 +636,10 @@ def _leased_job(reply: str) -> Job:
     if job.rank != rank or job.resumed_token_ids != resumed:
         job = replace(job, rank=rank, resumed_token_ids=resumed)
     return job
+
+
+def _is_last_entry(fields: dict[str, str]) -> bool:
+    return fields["k"] != EventKind.TOKENS
 
 
 def _event(entry_id: str, fields: dict[str, str]) -> ResultEvent:

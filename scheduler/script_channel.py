@@ -6,8 +6,9 @@ a pooled connection taken and given back, the arguments packed in Python, a time
 task around the write. Here every call of one process shares a single connection:
 commands issued in the same event loop iteration go out in one write, replies come back
 in order and are matched to their callers first in, first out, and hiredis packs and
-parses in C, which together cost a fraction of that. Blocking reads (XREAD of result
-streams) and everything else stay on redis-py; they would stall a shared connection.
+parses in C, which together cost a fraction of that. A blocking read would stall a
+shared connection: the result streams' reader (stream_reader.py) opens one of its own
+here (`open_connection`), and everything else stays on redis-py.
 
 Errors are redis-py's own classes, so callers map them as before: a refused connection,
 a lost one or a reply later than the socket timeout raise ConnectionError or
@@ -128,18 +129,29 @@ class ScriptChannel:
     async def evalsha(self, sha: str, source: str, args: Sequence[object]) -> Any:
         """The reply of script `sha` (its text `source`) run with no keys and `args`."""
         try:
-            return await self._call("EVALSHA", sha, 0, *args)
+            return await self.call("EVALSHA", sha, 0, *args)
         except ResponseError as exc:
             if not str(exc).startswith("NOSCRIPT"):
                 raise
-        await self._call("SCRIPT", "LOAD", source)
-        return await self._call("EVALSHA", sha, 0, *args)
+        await self.call("SCRIPT", "LOAD", source)
+        return await self.call("EVALSHA", sha, 0, *args)
 
-    async def _call(self, *command: object) -> Any:
+    async def call(self, *command: object) -> Any:
+        """The reply of one command that does not block, over the shared connection."""
         protocol = await self._connected()
-        return await self._send(protocol, command)
+        return await self.send(protocol, command)
 
-    async def _send(self, protocol: _Protocol, command: tuple[object, ...]) -> Any:
+    async def open_connection(self) -> _Protocol:
+        """A connection of the caller's own to the same server (same database and
+        credentials), for commands that block; `send` on it, `close_connection` it."""
+        return await self._open()
+
+    def close_connection(self, protocol: _Protocol) -> None:
+        self._drop(protocol)
+
+    async def send(self, protocol: _Protocol, command: tuple[object, ...]) -> Any:
+        """The reply of `command` on `protocol`; a reply later than the timeout drops
+        the connection (ConnectionError for whatever else waits on it)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         protocol.pending.append(future)
@@ -190,7 +202,7 @@ class ScriptChannel:
             ) from exc
         try:
             for command in self._handshake:
-                await self._send(protocol, command)
+                await self.send(protocol, command)
         except BaseException:
             self._drop(protocol)
             raise

@@ -123,4 +123,5 @@ async def backend(
     await made.configure_tiers(TIERS)
     yield made
     if channel is not None:
+        await made.aclose()  # its result stream reader's connection
         await channel.aclose()
