@@ -27,25 +27,41 @@ from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """A request's state after a step: cumulative ids/text plus this step's delta."""
+    """A request's state after a step: this step's delta, plus the cumulative ids and
+    text so far (`token_ids`, `text`).
+
+    The cumulative fields are built when read, from the request's own append-only lists
+    and this output's lengths: copied into every output, they cost O(length) per
+    request per step, O(length²) over a long generation, for values that streaming
+    callers never read.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]  # every output token so far
-    text: str  # the text sent so far (joined text deltas)
     new_token_ids: list[int]
     text_delta: str
     finished: bool
     finish_reason: FinishReason | None
     num_cached_tokens: int  # prompt tokens served from the prefix cache
+    num_output_tokens: int
+    # The request's output ids and text deltas, appended to after this output was made.
+    output_ids_so_far: list[int] = field(repr=False, compare=False)
+    text_pieces_so_far: list[str] = field(repr=False, compare=False)
+    num_text_pieces: int = field(repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
     @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids)
+    def token_ids(self) -> list[int]:
+        """Every output token so far."""
+        return self.output_ids_so_far[: self.num_output_tokens]
+
+    @property
+    def text(self) -> str:
+        """The text sent so far (the joined text deltas)."""
+        return "".join(self.text_pieces_so_far[: self.num_text_pieces])
 
 
 @dataclass(frozen=True)
@@ -71,7 +87,30 @@ class EngineStats:
 class _Tracked:
     request: Request
     detokenizer: IncrementalDetokenizer
-    text: str = ""
+    text_pieces: list[str] = field(default_factory=list)  # the non-empty deltas sent
+
+    def output(
+        self,
+        new_token_ids: list[int],
+        text_delta: str,
+        finish_reason: FinishReason | None,
+    ) -> RequestOutput:
+        request = self.request
+        if text_delta:
+            self.text_pieces.append(text_delta)
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            new_token_ids=new_token_ids,
+            text_delta=text_delta,
+            finished=finish_reason is not None,
+            finish_reason=finish_reason,
+            num_cached_tokens=request.num_cached_tokens,
+            num_output_tokens=len(request.output_token_ids),
+            output_ids_so_far=request.output_token_ids,
+            text_pieces_so_far=self.text_pieces,
+            num_text_pieces=len(self.text_pieces),
+        )
 
 
 class LLMEngine:
@@ -195,18 +234,7 @@ class LLMEngine:
         tracked = self._tracked.pop(request_id, None)
         if self.scheduler.abort(request_id) is None or tracked is None:
             return None
-        request = tracked.request
-        return RequestOutput(
-            request_id=request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            token_ids=list(request.output_token_ids),
-            text=tracked.text,
-            new_token_ids=[],
-            text_delta="",
-            finished=True,
-            finish_reason=FinishReason.ABORT,
-            num_cached_tokens=request.num_cached_tokens,
-        )
+        return tracked.output([], "", FinishReason.ABORT)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -254,23 +282,10 @@ class LLMEngine:
             delta = tracked.detokenizer.add([token], is_last=reason is not None)
             if delta.stopped:
                 reason = FinishReason.STOP
-            tracked.text += delta.text
             if reason is not None:
                 self.scheduler.finish(request, reason)
                 del self._tracked[request.request_id]
-            outputs.append(
-                RequestOutput(
-                    request_id=request.request_id,
-                    prompt_token_ids=request.prompt_token_ids,
-                    token_ids=list(request.output_token_ids),
-                    text=tracked.text,
-                    new_token_ids=[token],
-                    text_delta=delta.text,
-                    finished=reason is not None,
-                    finish_reason=reason,
-                    num_cached_tokens=request.num_cached_tokens,
-                )
-            )
+            outputs.append(tracked.output([token], delta.text, reason))
         return outputs
 
     def _record(self, plan: StepPlan, elapsed_s: float) -> None:

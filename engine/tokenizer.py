@@ -120,8 +120,10 @@ class IncrementalDetokenizer:
         self._read_offset = len(context)
         self._stop = tuple(stop)
         self._hold_chars = max((len(s) for s in self._stop), default=1) - 1
-        self.text = ""  # all decoded output text (stop string cut once matched)
-        self._num_sent_chars = 0
+        # Decoded text not sent yet: what stop strings are searched in and deltas cut
+        # from. Sent text is dropped (the caller has it), so each step costs the size of
+        # its own text, not of the whole output.
+        self._unsent = ""
 
     def add(self, token_ids: Sequence[int], *, is_last: bool) -> TextDelta:
         """Add newly generated ids; `is_last` flushes everything held back."""
@@ -133,29 +135,27 @@ class IncrementalDetokenizer:
             new_text = full_text[len(prefix_text) :]
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._ids)
-            search_from = max(0, len(self.text) - self._hold_chars)
-            self.text += new_text
-            stopped = self._cut_at_stop(search_from)
-            if stopped:
+            # A stop string may begin in the text held back (all of it is unsent).
+            search_from = max(0, len(self._unsent) - self._hold_chars)
+            self._unsent += new_text
+            if self._stop and self._cut_at_stop(search_from):
                 return TextDelta(self._flush(), True)
         if is_last:
             return TextDelta(self._flush(), False)
-        sendable = len(self.text) - self._hold_chars
-        if sendable <= self._num_sent_chars:
+        sendable = len(self._unsent) - self._hold_chars
+        if sendable <= 0:
             return TextDelta("", False)
-        delta = self.text[self._num_sent_chars : sendable]
-        self._num_sent_chars = sendable
+        delta, self._unsent = self._unsent[:sendable], self._unsent[sendable:]
         return TextDelta(delta, False)
 
     def _cut_at_stop(self, search_from: int) -> bool:
-        positions = [self.text.find(s, search_from) for s in self._stop]
+        positions = [self._unsent.find(s, search_from) for s in self._stop]
         found = [p for p in positions if p >= 0]
         if not found:
             return False
-        self.text = self.text[: min(found)]
+        self._unsent = self._unsent[: min(found)]
         return True
 
     def _flush(self) -> str:
-        delta = self.text[self._num_sent_chars :]
-        self._num_sent_chars = len(self.text)
+        delta, self._unsent = self._unsent, ""
         return delta

@@ -66,6 +66,25 @@ def test_streamed_deltas_join_to_the_final_text(llm: LLM) -> None:
     assert "".join(o.text_delta for o in outputs) == outputs[-1].text
     assert [o.finished for o in outputs] == [False] * 23 + [True]
     assert outputs[-1].text == llm.generate([PROMPT], GREEDY)[0].text
+    # Each output's cumulative fields are those of its own step, read after the end.
+    for i, output in enumerate(outputs):
+        assert output.token_ids == outputs[-1].token_ids[: i + 1]
+        assert output.num_output_tokens == i + 1
+        assert output.text == "".join(o.text_delta for o in outputs[: i + 1])
+
+
+def test_an_aborted_request_reports_what_it_generated(llm: LLM) -> None:
+    engine = llm.engine
+    engine.add_request("cut", PROMPT, GREEDY)
+    steps = [o for _ in range(6) for o in engine.step() if o.request_id == "cut"]
+    assert len(steps) >= 2
+    aborted = engine.abort_request("cut")
+    assert aborted is not None
+    assert aborted.finish_reason is FinishReason.ABORT
+    assert aborted.token_ids == [t for o in steps for t in o.new_token_ids]
+    assert aborted.text == "".join(o.text_delta for o in steps)
+    assert aborted.new_token_ids == []
+    assert engine.abort_request("cut") is None
 
 
 def test_eos_from_generation_config_and_ignore_eos(tmp_path: Path) -> None:

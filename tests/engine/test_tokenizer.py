@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import engine
 from engine.errors import ModelLoadError
@@ -89,6 +91,30 @@ def test_text_that_only_looks_like_a_stop_prefix_is_released(tokenizer: Tokenize
     deltas, stopped = _stream(tokenizer, ids, stop=("STOP",))
     assert stopped
     assert "".join(deltas) == "a STO then "
+
+
+WORDS = ["the", " gate", "way", " STOP", " ST", "OP", " é", "日本", "🙂", " a", "\n", "ai"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    pieces=st.lists(st.sampled_from(WORDS), min_size=1, max_size=40),
+    stops=st.lists(st.sampled_from(["STOP", "ai", "way ", "本🙂", "\n a"]), max_size=2),
+)
+def test_streamed_text_is_the_whole_text_cut_at_the_first_stop(
+    tokenizer: Tokenizer, pieces: list[str], stops: list[str]
+) -> None:
+    """Against a reference that sees the whole text at once: the deltas join to the
+    text up to the earliest stop string (all of it without one), and no delta sent
+    before the stop shows any of the stop string."""
+    text = "".join(pieces)
+    ids = tokenizer.encode(text)
+    deltas, stopped = _stream(tokenizer, ids, tuple(stops))
+    full = tokenizer.decode(ids)
+    found = [i for i in (full.find(s) for s in stops) if i >= 0]
+    assert stopped == bool(found)
+    assert "".join(deltas) == (full[: min(found)] if found else full)
+    assert all("\ufffd" not in d for d in deltas)
 
 
 @pytest.mark.parametrize("clean_up_spaces", [False, True])
