@@ -134,14 +134,15 @@ class BlockManager:
         # Not memoised: only requests holding blocks keep a hash chain, so a chain can
         # never outlive the tokens it was computed from.
         hashes = self._chain_hashes(request, num_full, [])
-        tokens = request.all_token_ids
         size = self.block_size
         hits: list[int] = []
         for i in range(num_full):
             block_id = self._cached.get(hashes[i])
             if block_id is None:
                 break
-            if self._blocks[block_id].token_ids != tuple(tokens[i * size : (i + 1) * size]):
+            if self._blocks[block_id].token_ids != tuple(
+                request.token_range(i * size, (i + 1) * size)
+            ):
                 break
             hits.append(block_id)
         return hits
@@ -162,7 +163,6 @@ class BlockManager:
         hashes = self._chain_hashes(
             request, num_full, self._hashes.setdefault(request.request_id, [])
         )
-        tokens = request.all_token_ids
         size = self.block_size
         for i in range(start, num_full):
             block = self._blocks[request.block_ids[i]]
@@ -171,18 +171,17 @@ class BlockManager:
             # same step) stays private and is simply freed later.
             if block.block_hash is None and hashes[i] not in self._cached:
                 block.block_hash = hashes[i]
-                block.token_ids = tuple(tokens[i * size : (i + 1) * size])
+                block.token_ids = tuple(request.token_range(i * size, (i + 1) * size))
                 self._cached[hashes[i]] = block.block_id
         self._num_published[request.request_id] = num_full
 
     def _chain_hashes(self, request: Request, num_full: int, hashes: list[int]) -> list[int]:
         """Extend `hashes` to the chain of the request's first `num_full` blocks."""
         if len(hashes) < num_full:
-            tokens = request.all_token_ids
             size = self.block_size
             parent = hashes[-1] if hashes else _ROOT_HASH
             for i in range(len(hashes), num_full):
-                parent = hash((parent, tuple(tokens[i * size : (i + 1) * size])))
+                parent = hash((parent, tuple(request.token_range(i * size, (i + 1) * size))))
                 hashes.append(parent)
         return hashes
 

@@ -165,10 +165,7 @@ def _token_at(request: Request, index: int) -> int:
 
 
 def _tokens(request: Request, start: int, num_tokens: int) -> list[int]:
-    end = start + num_tokens
-    if end <= len(request.prompt_token_ids):
-        return request.prompt_token_ids[start:end]
-    return request.all_token_ids[start:end]
+    return request.token_range(start, start + num_tokens)
 
 
 def _block_tables(chunks: Sequence[Chunk], context_lens: list[int], block_size: int):

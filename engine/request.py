@@ -133,6 +133,16 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_range(self, start: int, end: int) -> list[int]:
+        """`all_token_ids[start:end]` without building all of it (a step reads a block's
+        or a chunk's worth of a long sequence, not the whole sequence)."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED

@@ -278,3 +278,16 @@ def run(bm: BlockManager, request: Request, num_tokens: int, kv: dict) -> None:
         kv[(block_id, pos % size)] = tuple(tokens[: pos + 1])
     request.num_computed_tokens += num_tokens
     bm.cache_full_blocks(request)
+
+
+@given(
+    prompt=st.lists(st.integers(0, 900), min_size=1, max_size=40),
+    output=st.lists(st.integers(0, 900), max_size=40),
+    data=st.data(),
+)
+def test_a_token_range_is_that_slice_of_all_the_tokens(prompt, output, data) -> None:
+    request = Request("r", prompt, SamplingParams(max_tokens=64), output_token_ids=output)
+    total = len(prompt) + len(output)
+    start = data.draw(st.integers(0, total))
+    end = data.draw(st.integers(start, total))
+    assert request.token_range(start, end) == request.all_token_ids[start:end]
