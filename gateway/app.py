@@ -42,7 +42,9 @@ from gateway.db.session import create_db_engine, create_sessionmaker
 from gateway.errors import (
     ErrorKind,
     GatewayError,
+    InvalidRequestError,
     NotFoundError,
+    PayloadTooLargeError,
     ServiceUnavailableError,
     error_response,
     register_error,
@@ -291,14 +293,22 @@ async def _shutdown_engine(engine: EngineLike) -> None:
 
 
 async def _http_exception(request: Request, exc: Exception) -> Response:
-    """Routing errors (unknown path, wrong method) in the OpenAI error shape."""
+    """Starlette's own HTTP errors in the OpenAI error shape: routing (unknown path,
+    wrong method) and anything else it raises (a malformed body it parsed: 400)."""
     error: GatewayError
-    if getattr(exc, "status_code", None) == 405:
+    status = getattr(exc, "status_code", None)
+    if status == 405:
         error = MethodNotAllowedError(
             f"Method {request.method} is not allowed on {request.url.path}."
         )
-    else:
+    elif status == 404:
         error = NotFoundError(f"Unknown URL {request.url.path}.", code="unknown_url")
+    elif status == 413:
+        error = PayloadTooLargeError(f"The request body is too large: {exc}")
+    elif status is not None and 400 <= status < 500:
+        error = InvalidRequestError(f"The request is not valid: {getattr(exc, 'detail', exc)}")
+    else:
+        raise exc
     # The middleware adds x-request-id to every response, this one included.
     return error_response(error)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
@@ -70,7 +71,14 @@ class BatchRoutes:
         principal = await self._principal(request)
         if not request.headers.get("content-type", "").startswith("multipart/form-data"):
             raise InvalidRequestError("Upload the file as multipart/form-data.", param="file")
-        async with request.form(max_files=1, max_fields=10) as form:
+        try:
+            form = await request.form(max_files=1, max_fields=10)
+        except HTTPException as exc:
+            # A body that is not valid multipart (bad boundary, too many parts or files).
+            raise InvalidRequestError(
+                f"The upload is not valid: {exc.detail}", param="file"
+            ) from exc
+        try:
             purpose = form.get("purpose")
             upload = form.get("file")
             if purpose not in FILE_PURPOSES:
@@ -81,6 +89,8 @@ class BatchRoutes:
                 raise InvalidRequestError("Missing required parameter: 'file'.", param="file")
             content = await upload.read()
             filename = (upload.filename or "upload.jsonl")[:MAX_FILENAME_CHARS]
+        finally:
+            await form.close()
         if len(content) > self.deps.max_file_bytes:
             raise PayloadTooLargeError(
                 f"The file is larger than the limit of {self.deps.max_file_bytes} bytes."

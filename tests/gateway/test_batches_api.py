@@ -268,6 +268,21 @@ def test_bad_requests_are_typed_errors(live_server: LiveServer) -> None:
         no_file = raw.post("/v1/files", files={"purpose": (None, "batch")})
         assert no_file.status_code == 400
         assert no_file.json()["error"]["param"] == "file"
+        # Bodies multipart parsing refuses: two files, a broken boundary. A 400, not a 404.
+        two_files = raw.post(
+            "/v1/files",
+            files=[("file", ("a.jsonl", b"{}")), ("file", ("b.jsonl", b"{}"))],
+            data={"purpose": "batch"},
+        )
+        assert two_files.status_code == 400
+        assert two_files.json()["error"]["type"] == "invalid_request_error"
+        broken = raw.post(
+            "/v1/files",
+            content=b"--x\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n",
+            headers={"content-type": "multipart/form-data; boundary=y"},
+        )
+        assert broken.status_code == 400
+        assert "x-request-id" in broken.headers
         not_json = raw.post("/v1/batches", content=b"{", headers={"content-type": "text/plain"})
         assert not_json.status_code == 400
         unauthenticated = httpx.get(f"{live_server.base_url}/v1/batches")
