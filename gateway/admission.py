@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from gateway.auth import Principal
-from gateway.errors import RateLimitedError, ServiceUnavailableError
+from gateway.errors import InvalidRequestError, RateLimitedError, ServiceUnavailableError
 from gateway.tiers import TierPolicy
-from scheduler.admission import AdmissionConfig, NoCapacityError, slo_budget
+from scheduler.admission import AdmissionConfig, NoCapacityError, job_service_ms, slo_budget
 from scheduler.backend import (
     BackendUnavailableError,
     FleetCapacity,
@@ -33,8 +34,13 @@ from scheduler.backend import (
 )
 from scheduler.job import Job
 from scheduler.policy import TierConfig
-from scheduler.rate_limit import RateLimitExceededError, Reservation, TenantLimits
-from scheduler.results import JobClient, JobStream
+from scheduler.rate_limit import (
+    RateLimitExceededError,
+    RequestExceedsLimitError,
+    Reservation,
+    TenantLimits,
+)
+from scheduler.results import JobClient, JobStream, QueueTimeoutError
 
 log = logging.getLogger(__name__)
 
@@ -111,16 +117,30 @@ class Admission:
     def backend(self) -> QueueBackend:
         return self._jobs.backend
 
-    async def reserve(self, principal: Principal, num_tokens: int) -> Reservation:
-        """Take a request and `num_tokens` tokens from the tenant's limits, or raise
-        RateLimitedError (429) with the real wait and the x-ratelimit-* headers."""
+    async def reserve(self, principal: Principal, job: Job) -> Reservation:
+        """Take a request and the job's prompt + max_tokens tokens from the tenant's
+        limits, or raise RateLimitedError (429) with the expected wait and the
+        x-ratelimit-* headers (InvalidRequestError, 400, if the job exceeds the whole
+        TPM limit: no wait would help)."""
         limits = TenantLimits(
             rpm=principal.rpm, tpm=principal.tpm, max_concurrency=principal.max_concurrency
         )
+        num_tokens = job.num_prompt_tokens + job.params.max_tokens
         try:
             return await self._limiter.reserve(principal.tenant_id, limits, num_tokens)
+        except RequestExceedsLimitError as exc:
+            raise InvalidRequestError(
+                f"{exc.message} Lower max_tokens or shorten the prompt.",
+                param="max_tokens",
+                code="exceeds_token_limit",
+            ) from exc
         except RateLimitExceededError as exc:
-            retry_s = None if exc.retry_after_ms is None else exc.retry_after_ms / 1000.0
+            if exc.retry_after_ms is not None:
+                retry_s: float | None = exc.retry_after_ms / 1000.0
+            else:
+                # The concurrency cap: a slot frees when one of the tenant's requests
+                # ends, expected after the fleet's time for one request like this one.
+                retry_s = await self._service_s(job)
             raise RateLimitedError(
                 exc.message,
                 code=RATE_LIMIT_CODES[exc.limit],
@@ -155,8 +175,13 @@ class Admission:
                 headers=headers,
             ) from exc
         except QueueFullError as exc:
+            # A place frees when a queued job leaves: expected after the fleet's time for
+            # one job like this one.
             raise RateLimitedError(
-                f"The {exc.tier!r} queue is full; retry later.", code="queue_full", headers=headers
+                f"The {exc.tier!r} queue is full; retry later.",
+                code="queue_full",
+                retry_after_s=await self._service_s(job),
+                headers=headers,
             ) from exc
         except NoCapacityError as exc:
             raise ServiceUnavailableError(
@@ -166,11 +191,53 @@ class Admission:
             raise unavailable(exc) from exc
 
     async def _slo_budget(self, tier: TierPolicy) -> SloBudget | None:
-        """What the queue checks the job against as it enqueues it (None: no TTFT SLO)."""
-        if tier.ttft_slo_ms is None:
-            return None
+        """What the queue checks the job against as it enqueues it (None: no TTFT SLO).
+        Raises NoCapacityError when no live worker reports capacity, whatever the tier:
+        a request nothing can serve is answered 503 at once instead of waiting."""
         capacity = await self._capacity.fleet_capacity()
+        if tier.ttft_slo_ms is None:
+            if capacity.num_workers == 0:
+                raise NoCapacityError("no live worker reports any capacity")
+            return None
         return slo_budget(capacity, self._config, rank=tier.rank, ttft_slo_ms=tier.ttft_slo_ms)
+
+    async def _service_s(self, job: Job) -> float | None:
+        """The fleet's time for one job like `job` (None if unknown)."""
+        try:
+            capacity = await self._capacity.fleet_capacity()
+        except BackendUnavailableError:
+            return None
+        service_ms = job_service_ms(
+            capacity,
+            self._config,
+            num_prompt_tokens=job.num_prompt_tokens,
+            max_tokens=job.params.max_tokens,
+        )
+        return None if service_ms is None else service_ms / 1000.0
+
+    async def queue_timeout_refusal(
+        self, exc: QueueTimeoutError, job: Job, tier: TierPolicy, headers: dict[str, str]
+    ) -> RateLimitedError:
+        """The 429 for a job dropped after its tier's max_queue_ms, with the wait after
+        which the same request would leave the queue in time: the predicted time to its
+        first token behind the work queued now, less the tier's queue limit (as an SLO
+        refusal's wait is the prediction less the SLO), and at least the fleet's time
+        for one such job."""
+        retry_s = await self._service_s(job)
+        try:
+            capacity = await self._capacity.fleet_capacity()
+            budget = slo_budget(capacity, self._config, rank=tier.rank, ttft_slo_ms=math.inf)
+            work = await self.backend.work_ahead(
+                job.tier, job.tenant_id, job.weight, job.num_prompt_tokens
+            )
+        except (NoCapacityError, BackendUnavailableError):
+            pass
+        else:
+            over_ms = budget.predict_ms(work, job.num_prompt_tokens) - (job.max_queue_ms or 0.0)
+            retry_s = max(retry_s or 0.0, over_ms / 1000.0)
+        return RateLimitedError(
+            str(exc), code="queue_timeout", retry_after_s=retry_s, headers=headers
+        )
 
     def release_soon(self, reservation: Reservation | None, num_used_tokens: int) -> None:
         """Refund the unused tokens and free the concurrency slot, in the background (the

@@ -109,6 +109,9 @@ ERROR_TABLE: dict[type[BaseException], ErrorKind] = {
     scheduler_limits.RateLimitExceededError: ErrorKind(
         429, "rate_limit_error", "rate_limit_exceeded"
     ),
+    scheduler_limits.RequestExceedsLimitError: ErrorKind(
+        400, "invalid_request_error", "exceeds_token_limit"
+    ),
     scheduler_queue.SloUnattainableError: ErrorKind(429, "rate_limit_error", "slo_unattainable"),
     scheduler_queue.QueueFullError: ErrorKind(429, "rate_limit_error", "queue_full"),
     scheduler_results.QueueTimeoutError: ErrorKind(429, "rate_limit_error", "queue_timeout"),

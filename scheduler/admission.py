@@ -76,6 +76,21 @@ def slo_budget(
     )
 
 
+def job_service_ms(
+    capacity: FleetCapacity, config: AdmissionConfig, *, num_prompt_tokens: int, max_tokens: int
+) -> float | None:
+    """The time the fleet needs for one job's work at its measured rates, counted as work
+    ahead is (its prompt, and its decode at decode_ahead_fraction): the expected interval
+    at which jobs like it leave the queue or end. None when no live worker reports any
+    capacity."""
+    if capacity.num_workers == 0 or capacity.prefill_tokens_per_s <= 0:
+        return None
+    decode_s = 0.0
+    if capacity.decode_tokens_per_s > 0:
+        decode_s = config.decode_ahead_fraction * max_tokens / capacity.decode_tokens_per_s
+    return 1000.0 * (num_prompt_tokens / capacity.prefill_tokens_per_s + decode_s)
+
+
 def predict_ttft_ms(
     work: WorkAhead,
     num_prompt_tokens: int,

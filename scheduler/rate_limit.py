@@ -124,11 +124,16 @@ def _status(limits: TenantLimits, req: int, tok: int) -> RateLimitStatus:
     return RateLimitStatus(*view(limits.rpm, req), *view(limits.tpm, tok))
 
 
+class RequestExceedsLimitError(RateLimitExceededError):
+    """prompt + max_tokens exceed the tenant's whole TPM limit: no wait makes the request
+    fit, so it is an invalid request (400), not a "not now" (429)."""
+
+
 def _refused(
     outcome: str, wait_ms: int, limits: TenantLimits, num_tokens: int, status: RateLimitStatus
 ) -> RateLimitExceededError:
     if outcome == "too_large":
-        return RateLimitExceededError(
+        return RequestExceedsLimitError(
             "tokens",
             None,
             status,

@@ -47,7 +47,7 @@ from gateway.tiers import TierCatalog, TierPolicy
 from gateway.usage import UsageRecord, UsageWriter
 from scheduler.job import Job
 from scheduler.rate_limit import Reservation
-from scheduler.results import JobClient, JobStream
+from scheduler.results import JobClient, JobStream, QueueTimeoutError
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # service_tier values the official client sends that mean "my own tier".
@@ -218,6 +218,12 @@ class OpenAIRoutes:
         except ClientDisconnectedError:
             await self._finish_aborted(exchange)
             return Response(status_code=499)
+        except QueueTimeoutError as exc:
+            # Refused, not failed: dropped unserved after the tier's queue limit.
+            self._finish(exchange, f"rejected:{error_code(exc)}")
+            if self.deps.admission is None:
+                raise
+            raise await self.deps.admission.queue_timeout_refusal(exc, job, tier, headers) from exc
         except Exception:
             self._finish(exchange, "error")
             raise
@@ -238,9 +244,7 @@ class OpenAIRoutes:
         if admission is None:
             exchange.stream = await self.deps.dispatcher.submit_and_wait(job)
             return {}
-        reservation = await admission.reserve(
-            exchange.principal, job.num_prompt_tokens + job.params.max_tokens
-        )
+        reservation = await admission.reserve(exchange.principal, job)
         headers = reservation.status.headers()
         try:
             exchange.stream = await admission.enqueue(job, tier, headers=headers)
@@ -387,6 +391,8 @@ class OpenAIRoutes:
         record = exchange.record(outcome)
         if self.deps.admission is not None and exchange.reservation is not None:
             used = exchange.num_prompt_tokens + exchange.num_completion_tokens
+            if outcome.startswith("rejected:"):
+                used = 0  # dropped unserved (a queue timeout): its tokens are refunded
             self.deps.admission.release_soon(exchange.reservation, used)
             exchange.reservation = None
         self.deps.usage.record(record)

@@ -278,7 +278,7 @@ def test_bad_requests_are_typed_errors(live_server: LiveServer) -> None:
         assert two_files.json()["error"]["type"] == "invalid_request_error"
         broken = raw.post(
             "/v1/files",
-            content=b"--x\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n",
+            content=b'--x\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n',
             headers={"content-type": "multipart/form-data; boundary=y"},
         )
         assert broken.status_code == 400

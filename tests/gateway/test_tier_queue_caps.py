@@ -1,7 +1,11 @@
-"""A tier's queue cap (tiers.max_queued_jobs) through a live server and the openai client:
-the request past the cap gets 429 `queue_full`, and cap changes made through the admin
-API apply to the running queue. On SQLite and PostgreSQL, each with the in-memory queue
-and with the Redis queue (its Lua enqueue enforces the cap there).
+"""The "not now" answers of a live server through the openai client, with the queue held
+still: a tier's queue cap (tiers.max_queued_jobs) gives 429 `queue_full`, and cap changes
+made through the admin API apply to the running queue; a tenant's concurrency cap gives
+429 `concurrency_limit_exceeded`; a job left queued past its tier's `max_queue_ms` gives
+429 `queue_timeout` and is counted as a refusal. Each 429 carries the expected wait as
+Retry-After. A request larger than the tenant's whole TPM limit is a 400: no wait helps.
+On SQLite and PostgreSQL, each with the in-memory queue and with the Redis queue (its
+Lua enqueue enforces the cap there).
 
 The server's engine is paused (it takes no work, as a fleet whose workers are all busy),
 so queued jobs stay queued until the test lets them run.
@@ -174,6 +178,7 @@ async def test_request_past_the_tier_cap_is_429_queue_full(
             assert refused.status_code == 429
             assert refused.code == "queue_full"
             assert tier in refused.message
+            _assert_retry_after(refused)
             assert await _queued(admin, tier) == CAP  # the refused one left no trace
 
             # A raised cap applies to the running queue: one more fits, then no more.
@@ -204,3 +209,104 @@ async def test_removing_the_cap_lets_the_queue_grow(
         finally:
             cap_server.engine.is_paused = False
         assert len(await asyncio.gather(*queued)) == 3 * CAP + 1
+
+
+def _assert_retry_after(refused: openai.RateLimitError) -> float:
+    """The 429's wait: present in both headers, consistent, and plausible; in seconds."""
+    headers = refused.response.headers
+    wait_ms = int(headers["retry-after-ms"])
+    assert 0 < wait_ms < 60_000
+    assert int(headers["retry-after"]) == max(1, -(-wait_ms // 1000))
+    return wait_ms / 1000.0
+
+
+async def _tenant(cap_server: CapServer, tier: dict[str, Any], **limits: Any) -> openai.AsyncOpenAI:
+    """A client of a new tenant on a new tier (`tier`'s fields) with `limits`."""
+    async with cap_server.admin() as admin:
+        created = await admin.post("/tiers", json={"rank": 1, **tier})
+        assert created.status_code == 201, created.text
+        tenant = await admin.post(
+            "/tenants", json={"name": tier["name"], "tier": tier["name"], **limits}
+        )
+        tenant.raise_for_status()
+        key = await admin.post(f"/tenants/{tenant.json()['id']}/keys", json={})
+        key.raise_for_status()
+    return openai.AsyncOpenAI(
+        base_url=f"{cap_server.base_url}/v1", api_key=key.json()["secret"], max_retries=0
+    )
+
+
+async def test_the_concurrency_cap_is_429_with_the_expected_wait(cap_server: CapServer) -> None:
+    name = f"conc-{uuid.uuid4().hex[:6]}"
+    client = await _tenant(cap_server, {"name": name}, max_concurrency=1)
+    try:
+        async with cap_server.admin() as admin:
+            cap_server.engine.is_paused = True
+            try:
+                held = asyncio.create_task(_complete(client))
+                await _until_queued(admin, name, 1)
+                with pytest.raises(openai.RateLimitError) as refused:
+                    await asyncio.wait_for(_complete(client), timeout=10)
+                assert refused.value.code == "concurrency_limit_exceeded"
+                _assert_retry_after(refused.value)
+            finally:
+                cap_server.engine.is_paused = False
+            assert (await held).usage.completion_tokens == 4
+        # The slot is free again once the held request has ended (released in the
+        # background, so give it a moment).
+        deadline_s = time.monotonic() + 5
+        while True:
+            try:
+                await _complete(client)
+                break
+            except openai.RateLimitError:
+                assert time.monotonic() < deadline_s, "the concurrency slot was never freed"
+                await asyncio.sleep(0.05)
+    finally:
+        await client.close()
+
+
+async def test_a_request_larger_than_the_whole_tpm_limit_is_400(cap_server: CapServer) -> None:
+    client = await _tenant(cap_server, {"name": f"tpm-{uuid.uuid4().hex[:6]}"}, tpm=100)
+    try:
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.completions.create(
+                model="tiny-random", prompt=PROMPT, max_tokens=200, temperature=0
+            )
+        assert refused.value.code == "exceeds_token_limit"
+        assert refused.value.body["param"] == "max_tokens"
+        assert "retry-after" not in refused.value.response.headers
+        assert (await _complete(client)).usage.completion_tokens == 4  # within the limit
+    finally:
+        await client.close()
+
+
+async def test_a_queue_timeout_is_a_refusal_with_the_expected_wait(cap_server: CapServer) -> None:
+    name = f"short-{uuid.uuid4().hex[:6]}"
+    client = await _tenant(cap_server, {"name": name, "max_queue_ms": 200}, rpm=1000)
+    try:
+        cap_server.engine.is_paused = True
+        try:
+            with pytest.raises(openai.RateLimitError) as refused:
+                await asyncio.wait_for(_complete(client), timeout=10)
+        finally:
+            cap_server.engine.is_paused = False
+        assert refused.value.code == "queue_timeout"
+        _assert_retry_after(refused.value)
+        assert refused.value.response.headers["x-ratelimit-limit-requests"] == "1000"
+        # Counted as a refusal in the usage report, and no tokens billed.
+        async with cap_server.admin() as admin:
+            deadline_s = time.monotonic() + 10
+            while True:
+                report = await admin.get("/usage", params={"tier": name})
+                report.raise_for_status()
+                lines = report.json()["data"]
+                if lines and lines[0]["requests"] == 1:
+                    break
+                assert time.monotonic() < deadline_s, "the usage record never arrived"
+                await asyncio.sleep(0.1)
+        [line] = lines
+        assert line["refusals"] == 1
+        assert (line["input_tokens"], line["output_tokens"]) == (0, 0)
+    finally:
+        await client.close()

@@ -10,6 +10,7 @@ from scheduler.admission import (
     AdmissionConfig,
     NoCapacityError,
     admit,
+    job_service_ms,
     predict_ttft_ms,
 )
 from scheduler.backend import (
@@ -34,6 +35,19 @@ def test_prediction_formula() -> None:
     assert predict_ttft_ms(work, 100, capacity, AdmissionConfig(), rank=1) == pytest.approx(1_200.0)
     with pytest.raises(NoCapacityError):
         predict_ttft_ms(work, 100, FleetCapacity(0, 0.0, 0.0), AdmissionConfig(), rank=1)
+
+
+def test_one_jobs_service_time_counts_it_as_work_ahead_is_counted() -> None:
+    capacity = FleetCapacity(2, prefill_tokens_per_s=1_000.0, decode_tokens_per_s=100.0)
+    config = AdmissionConfig()
+    # 200 prompt tokens at 1,000/s, and half of 40 tokens of decode at 100/s.
+    service = job_service_ms(capacity, config, num_prompt_tokens=200, max_tokens=40)
+    assert service == pytest.approx(400.0)
+    # The same as the TTFT of a job with that job alone ahead of it, minus its own prompt.
+    alone_ahead = WorkAhead(num_prefill_tokens=200.0, num_decode_tokens=40.0)
+    assert service == pytest.approx(predict_ttft_ms(alone_ahead, 0, capacity, config, rank=1))
+    no_workers = FleetCapacity(0, 0.0, 0.0)
+    assert job_service_ms(no_workers, config, num_prompt_tokens=200, max_tokens=40) is None
 
 
 def test_prediction_adds_engine_backlog_of_equal_or_better_rank_in_full() -> None:
