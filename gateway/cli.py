@@ -58,6 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-model-len", type=int, help="cap the context window (TIERGATE_MAX_MODEL_LEN)"
     )
+    _add_engine_flags(serve)
+    _add_queue_and_batch_flags(serve)
     serve.add_argument(
         "--demo",
         action="store_true",
@@ -82,6 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     gateway.add_argument(
         "--max-model-len", type=int, help="cap the context window (TIERGATE_MAX_MODEL_LEN)"
     )
+    _add_queue_and_batch_flags(gateway)
     gateway.set_defaults(func=_gateway)
 
     worker = commands.add_parser(
@@ -95,12 +98,8 @@ def _parser() -> argparse.ArgumentParser:
     worker.add_argument(
         "--max-model-len", type=int, help="cap the context window (TIERGATE_MAX_MODEL_LEN)"
     )
-    worker.add_argument(
-        "--kv-cache-bytes", type=int, help="KV cache budget (TIERGATE_KV_CACHE_BYTES)"
-    )
-    worker.add_argument(
-        "--max-num-seqs", type=int, help="sequences batched at once (TIERGATE_MAX_NUM_SEQS)"
-    )
+    _add_engine_flags(worker)
+    worker.add_argument("--redis-prefix", help="prefix of every Redis key (TIERGATE_REDIS_PREFIX)")
     worker.add_argument("--worker-id", help="worker name (default host-pid-random)")
     worker.add_argument(
         "--lease-ms",
@@ -139,6 +138,36 @@ def _parser() -> argparse.ArgumentParser:
     add_batch_parser(commands)
     add_simulate_parser(commands)
     return parser
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kv-cache-bytes", type=int, help="KV cache budget (TIERGATE_KV_CACHE_BYTES)"
+    )
+    parser.add_argument(
+        "--max-num-seqs", type=int, help="sequences batched at once (TIERGATE_MAX_NUM_SEQS)"
+    )
+
+
+def _add_queue_and_batch_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of the processes that serve the API (and so the Batch API)."""
+    parser.add_argument("--redis-prefix", help="prefix of every Redis key (TIERGATE_REDIS_PREFIX)")
+    parser.add_argument(
+        "--max-file-bytes", type=int, help="largest file upload (TIERGATE_MAX_FILE_BYTES)"
+    )
+    parser.add_argument(
+        "--batch-max-input-bytes",
+        type=int,
+        help="largest batch input file (TIERGATE_BATCH_MAX_INPUT_BYTES)",
+    )
+    parser.add_argument(
+        "--batch-max-lines", type=int, help="most lines per batch (TIERGATE_BATCH_MAX_LINES)"
+    )
+    parser.add_argument(
+        "--batch-lease-s",
+        type=float,
+        help="how long a gateway owns a running batch between heartbeats (TIERGATE_BATCH_LEASE_S)",
+    )
 
 
 def _add_common_flags(parser: argparse.ArgumentParser) -> None:

@@ -89,6 +89,24 @@ def test_flags_mirror_settings(monkeypatch, tmp_path: Path) -> None:
     assert settings.data_dir == tmp_path
 
 
+def test_serve_has_a_flag_for_every_setting_of_the_environment(tmp_path: Path) -> None:
+    """README: each TIERGATE_* setting has a flag of the same name that wins over it."""
+    from gateway.cli import _parser
+    from gateway.settings import _ENV
+
+    sample = {int: "4096", float: "2.5", Path: str(tmp_path), str: "cpu"}
+    argv = ["serve"]
+    expected = {}
+    for var, (name, parse) in _ENV.items():
+        flag = "--" + var.removeprefix("TIERGATE_").lower().replace("_", "-")
+        raw = sample[parse]
+        argv += [flag, raw]
+        expected[name] = parse(raw)
+    settings = settings_from_args(_parser().parse_args(argv))
+    for name, value in expected.items():
+        assert getattr(settings, name) == value, name
+
+
 def test_migrate_upgrades_the_configured_database(database_url: str) -> None:
     result = _tiergate("migrate", "--database-url", database_url)
     assert result.returncode == 0, result.stderr

@@ -422,3 +422,31 @@ def test_service_monitor_only_when_asked(helm: Helm) -> None:
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     assert monitor["spec"]["endpoints"][0]["interval"] == "15s"
+
+
+def test_every_tiergate_variable_the_chart_sets_is_one_tiergate_reads(
+    helm: Helm, values_files
+) -> None:
+    """A misspelt or retired TIERGATE_* name in a values file would be silently ignored."""
+    from gateway.settings import _ENV
+
+    known = {*_ENV, "TIERGATE_METRICS_TOP_TENANTS"}
+    for container in _containers(helm.render(values_files)):
+        names = {e["name"] for e in container.get("env", [])}
+        names |= {
+            key
+            for source in container.get("envFrom", [])
+            for key in _env_from_keys(helm, values_files, source)
+        }
+        unknown = {n for n in names if n.startswith("TIERGATE_")} - known
+        assert not unknown, f"{container['name']}: {sorted(unknown)}"
+
+
+def _env_from_keys(helm: Helm, values_files, source: dict) -> set[str]:
+    """The keys of a ConfigMap or Secret the chart renders itself, named in envFrom."""
+    ref = source.get("configMapRef") or source.get("secretRef") or {}
+    kind = "ConfigMap" if "configMapRef" in source else "Secret"
+    for doc in _by_kind(helm.render(values_files), kind):
+        if doc["metadata"]["name"] == ref.get("name"):
+            return set(doc.get("data") or {}) | set(doc.get("stringData") or {})
+    return set()  # an existing Secret of the operator's: not the chart's to check
