@@ -42,6 +42,9 @@ UNBLOCK_RETRY_S = 0.001
 # sent again with every stream of its connection: capped, that costs O(this) per new
 # request instead of O(open requests), for one connection per this many open requests.
 STREAMS_PER_READ = 64
+# A connection beyond the first that has followed nothing for this long is closed: a
+# burst of open requests does not leave its connections behind.
+IDLE_S = 30.0
 
 
 class _Follower:
@@ -98,12 +101,14 @@ class StreamReader:
         block_ms: int = 500,
         count: int = 256,
         streams_per_read: int = STREAMS_PER_READ,
+        idle_s: float = IDLE_S,
     ) -> None:
         self._channel = channel
         self._is_last = is_last
         self._block_ms = block_ms
         self._count = count
         self._streams_per_read = streams_per_read
+        self._idle_s = idle_s
         self._shards: list[_Shard] = []
         self._shard_of: dict[str, _Shard] = {}  # stream key -> the shard reading it
         self._can_interrupt = True
@@ -133,6 +138,14 @@ class StreamReader:
         finally:
             if self._shard_of.get(key) is shard:
                 del self._shard_of[key]
+
+    def _retire(self, shard: _Shard) -> bool:
+        """Forget an idle shard (it then closes); the first one stays, for the next burst
+        to start on without a connect."""
+        if shard not in self._shards or shard is self._shards[0]:
+            return False
+        self._shards.remove(shard)
+        return True
 
     def _unblock_denied(self, error: BaseException) -> None:
         if self._can_interrupt:
@@ -238,7 +251,12 @@ class _Shard:
         while True:
             if not self._followers:
                 joined.clear()
-                await joined.wait()
+                try:
+                    await asyncio.wait_for(joined.wait(), self._owner._idle_s)
+                except TimeoutError:
+                    if not self._followers and self._owner._retire(self):
+                        self._drop_connection()
+                        return
                 continue
             followers = self._followers
             try:

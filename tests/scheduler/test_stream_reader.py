@@ -277,3 +277,40 @@ async def test_a_server_that_denies_unblock_makes_the_queue_read_streams_one_by_
         await channel.aclose()
         await redis_client.acl_deluser(user)
         await _delete_prefix(redis_client, keys.prefix)
+
+
+async def test_idle_connections_beyond_the_first_are_closed() -> None:
+    client = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
+    channel = ScriptChannel.for_client(client)
+    assert channel is not None
+    reader = StreamReader(channel, is_last=_is_last, streams_per_read=2, idle_s=0.2)
+    _open_readers.append(reader)
+    prefix = f"{{test-reader-{uuid.uuid4().hex[:8]}}}:"
+    try:
+        keys = [f"{prefix}s{i}" for i in range(5)]
+        followers = [asyncio.ensure_future(_collect(reader, key)) for key in keys]
+        await asyncio.sleep(0.1)
+        addresses = _addresses(reader)
+        assert len(addresses) == 3  # five streams, two per read
+        for key in keys:
+            await client.xadd(key, {"last": "1"})
+        await asyncio.wait_for(asyncio.gather(*followers), timeout=5)
+        await asyncio.sleep(0.6)  # idle past idle_s
+        [kept] = _addresses(reader)
+        open_now = {c["addr"] for c in await client.client_list()}
+        assert open_now & addresses == {kept}
+        # The next burst starts on the kept connection and opens new ones as needed.
+        fresh = [f"{prefix}t{i}" for i in range(3)]
+        again = [asyncio.ensure_future(_collect(reader, key)) for key in fresh]
+        await asyncio.sleep(0.1)
+        assert kept in _addresses(reader)
+        assert len(_addresses(reader)) == 2
+        for key in fresh:
+            await client.xadd(key, {"last": "1"})
+        await asyncio.wait_for(asyncio.gather(*again), timeout=5)
+    finally:
+        _open_readers.remove(reader)
+        await reader.aclose()
+        await channel.aclose()
+        await _delete_prefix(client, prefix)
+        await client.aclose()
