@@ -117,11 +117,14 @@ class Admission:
     def backend(self) -> QueueBackend:
         return self._jobs.backend
 
-    async def reserve(self, principal: Principal, job: Job) -> Reservation:
+    async def reserve(
+        self, principal: Principal, job: Job, *, max_tokens_given: bool = True
+    ) -> Reservation:
         """Take a request and the job's prompt + max_tokens tokens from the tenant's
         limits, or raise RateLimitedError (429) with the expected wait and the
         x-ratelimit-* headers (InvalidRequestError, 400, if the job exceeds the whole
-        TPM limit: no wait would help)."""
+        TPM limit: no wait would help). `max_tokens_given`: whether the client set
+        max_tokens (else the endpoint's default did, which the 400 then says)."""
         limits = TenantLimits(
             rpm=principal.rpm, tpm=principal.tpm, max_concurrency=principal.max_concurrency
         )
@@ -129,10 +132,18 @@ class Admission:
         try:
             return await self._limiter.reserve(principal.tenant_id, limits, num_tokens)
         except RequestExceedsLimitError as exc:
+            room = (principal.tpm or 0) - job.num_prompt_tokens
+            if room < 1:
+                advice = "Shorten the prompt."
+            elif max_tokens_given:
+                advice = f"Set max_tokens to at most {room}, or shorten the prompt."
+            else:
+                advice = (
+                    f"max_tokens was not set, so it defaulted to {job.params.max_tokens} "
+                    f"(the rest of the context); set it to at most {room}."
+                )
             raise InvalidRequestError(
-                f"{exc.message} Lower max_tokens or shorten the prompt.",
-                param="max_tokens",
-                code="exceeds_token_limit",
+                f"{exc.message} {advice}", param="max_tokens", code="exceeds_token_limit"
             ) from exc
         except RateLimitExceededError as exc:
             if exc.retry_after_ms is not None:

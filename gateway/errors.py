@@ -12,6 +12,7 @@ import logging
 import math
 from dataclasses import dataclass
 
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse
 
 from engine import errors as engine_errors
@@ -138,6 +139,19 @@ def _lookup(exc: BaseException) -> ErrorKind | None:
         if kind is not None:
             return kind
     return None
+
+
+# nginx's "client closed request": the client left before its answer (never sent).
+CLIENT_CLOSED_REQUEST = 499
+
+
+def error_status(exc: BaseException) -> int:
+    """The status `error_response` answers `exc` with (CLIENT_CLOSED_REQUEST for a
+    client that left while its body was read), without logging anything."""
+    if isinstance(exc, ClientDisconnect):
+        return CLIENT_CLOSED_REQUEST
+    kind = _lookup(exc)
+    return 500 if kind is None else kind.status
 
 
 def error_code(exc: BaseException) -> str:

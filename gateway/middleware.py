@@ -11,9 +11,10 @@ import logging
 import os
 from collections.abc import Mapping
 
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.errors import PayloadTooLargeError, error_response
+from gateway.errors import CLIENT_CLOSED_REQUEST, PayloadTooLargeError, error_response
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,11 @@ class GatewayMiddleware:
             if declared is not None and declared > limit:
                 raise _too_large(limit)
             await self.app(scope, self._limited(receive, limit), send_with_id)
+        except ClientDisconnect:
+            # The client left before its body arrived: nobody to answer, nothing failed
+            # here. Recorded as 499 (nginx's "client closed request"), not logged as an
+            # error.
+            state[RESPONSE_STATUS_KEY] = CLIENT_CLOSED_REQUEST
         except Exception as exc:
             if response_started:
                 # Too late for a status code; the server closes the connection.

@@ -19,6 +19,7 @@ from starlette.routing import BaseRoute, Route
 from gateway.admin.deps import AdminDeps
 from gateway.admin.routes import _guarded
 from gateway.admin.usage_report import GROUPINGS, UsageLine, UsageQuery, usage_report
+from gateway.admin.validation import in_range_utc
 from gateway.errors import InvalidRequestError
 
 DEFAULT_RANGE = timedelta(hours=24)
@@ -47,13 +48,14 @@ def _time(request: Request, name: str, default: datetime) -> datetime:
         raise InvalidRequestError(
             f"{name} must be an ISO 8601 time, such as 2025-01-31T00:00:00Z", param=name
         ) from None
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+    return in_range_utc(name, value.replace(tzinfo=UTC) if value.tzinfo is None else value)
 
 
 def parse_usage_query(request: Request) -> tuple[UsageQuery, str]:
     """The typed query and the output format; InvalidRequestError on bad input."""
     params = request.query_params
     end = _time(request, "end", datetime.now(UTC))
+    # end is within MIN_YEAR..MAX_YEAR, so a day before it is a valid time.
     start = _time(request, "start", end - DEFAULT_RANGE)
     if start >= end:
         raise InvalidRequestError("start must be before end", param="start")

@@ -3,7 +3,6 @@ the offending field in `param`, never a database error (a 500) later."""
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -12,6 +11,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from gateway import json_body
 from gateway.errors import InvalidRequestError, PayloadTooLargeError
 
 MAX_BODY_BYTES = 64 * 1024
@@ -22,7 +22,8 @@ TIER_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")
 TENANT_ID = re.compile(r"ten_[0-9a-f]{24}")
 KEY_ID = re.compile(r"key_[0-9a-f]{24}")
 # Printable text: PostgreSQL rejects NUL, and control characters have no place in a name.
-_PRINTABLE = re.compile(r"[^\x00-\x1f\x7f]+")
+_PRINTABLE = re.compile(r"[^\x00-\x1f\x7f-\x9f]+")
+_DIGITS = re.compile(r"[0-9]{1,18}")
 
 
 @dataclass(frozen=True)
@@ -40,10 +41,6 @@ class Field:
     choices: tuple[str, ...] | None = None
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
 async def read_json_object(request: Request, *, allow_empty: bool = False) -> dict[str, Any]:
     """The request body as a JSON object; 400 if it is not one, 413 if too large."""
     chunks: list[bytes] = []
@@ -57,8 +54,8 @@ async def read_json_object(request: Request, *, allow_empty: bool = False) -> di
     if allow_empty and not raw.strip():
         return {}
     try:
-        body = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        body = json_body.loads(raw.decode("utf-8"))
+    except ValueError as exc:  # JsonBodyError, UnicodeDecodeError
         raise InvalidRequestError(
             f"Request body is not valid JSON: {exc}", code="invalid_json"
         ) from None
@@ -118,7 +115,25 @@ def parse_datetime(name: str, value: str) -> datetime:
         raise InvalidRequestError(f"{name} must be an ISO 8601 timestamp", param=name) from None
     if parsed.tzinfo is None:
         raise InvalidRequestError(f"{name} must include a time zone", param=name)
-    return parsed.astimezone(UTC)
+    return in_range_utc(name, parsed)
+
+
+# Times a request may name: arithmetic on them (a day's range, an hour's truncation)
+# stays inside what datetime can hold.
+MIN_YEAR, MAX_YEAR = 1970, 9998
+
+
+def in_range_utc(name: str, value: datetime) -> datetime:
+    """`value` (aware) as UTC, or a 400 if it lies outside MIN_YEAR..MAX_YEAR."""
+    try:
+        utc = value.astimezone(UTC)
+    except OverflowError:
+        utc = None
+    if utc is None or not MIN_YEAR <= utc.year <= MAX_YEAR:
+        raise InvalidRequestError(
+            f"{name} must lie between the years {MIN_YEAR} and {MAX_YEAR}", param=name
+        )
+    return utc
 
 
 def parse_fields(
@@ -138,7 +153,8 @@ def query_int(request: Request, name: str, *, default: int, min: int, max: int) 
     raw = request.query_params.get(name)
     if raw is None:
         return default
-    if not raw.isdigit() or not min <= int(raw) <= max:
+    # ASCII digits only: str.isdigit() also takes "²", which int() refuses.
+    if not _DIGITS.fullmatch(raw) or not min <= int(raw) <= max:
         raise InvalidRequestError(f"{name} must be an integer in [{min}, {max}]", param=name)
     return int(raw)
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from engine.errors import EngineDeadError, RequestAbortedError
 from gateway.auth import Principal
-from gateway.batches.lines import LineRunner
+from gateway.batches.lines import LineRunner, error_outcome
 from gateway.batches.store import (
     CANCELLED,
     CANCELLING,
@@ -62,6 +62,7 @@ class DriverConfig:
     # A queue that refuses a line (its tier's cap is reached, Redis is away) is asked
     # again after this long; the refused lines stay pending and go first then.
     refused_backoff_s: float = 0.5
+    failure_backoff_s: float = 0.5  # the first pause after a failed drive of a batch
     limits: ValidationLimits = field(default_factory=ValidationLimits)
 
     @property
@@ -87,6 +88,7 @@ class BatchDriver:
         self.owner_id = f"{socket.gethostname()[:32]}:{os.getpid()}:{secrets.token_hex(6)}"
         self._driving: dict[str, asyncio.Task[None]] = {}
         self._pokes: dict[str, asyncio.Event] = {}
+        self._failures: dict[str, int] = {}  # batch id -> failed drives in a row
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
 
@@ -141,11 +143,20 @@ class BatchDriver:
         is_lost = False
         try:
             is_lost = await run.drive()
+            self._failures.pop(batch_id, None)
         except asyncio.CancelledError:
             raise
         except Exception:
-            # The lease is released below; this or another gateway picks it up again.
-            log.exception("driving batch %s failed", batch_id)
+            # The lease is released below; this or another gateway picks it up again,
+            # after a pause that doubles with each failure in a row (up to the lease), so
+            # a batch that keeps failing does not spin.
+            num_failures = self._failures.get(batch_id, 0) + 1
+            self._failures[batch_id] = num_failures
+            log.exception("driving batch %s failed (%d in a row)", batch_id, num_failures)
+            pause_s = min(
+                self.config.failure_backoff_s * 2 ** (num_failures - 1), self.config.lease_s
+            )
+            await asyncio.sleep(pause_s)
         finally:
             await run.stop_lines()
             if not is_lost:
@@ -283,9 +294,10 @@ class _BatchRun:
         except EngineDeadError:
             self.is_engine_dead = True
             return
-        except Exception:
-            log.exception("batch %s line %d failed to run", self.batch_id, line.line_index)
-            return
+        except Exception as exc:
+            # A bug, neither the line's fault nor the queue's: retried, it would fail
+            # again at every pass. The line fails with a 500 (error_outcome logs it).
+            outcome = error_outcome(request_id, exc)
         await self.store.finish_line(
             self.batch_id,
             line.line_index,

@@ -92,7 +92,7 @@ class LineRunner:
             job = self._admit(request_id, principal, tier, body_json, deadline_s, chat=chat)
         except (GatewayError, EngineError) as exc:
             self._usage.record(record.finish(f"rejected:{error_code(exc)}"))
-            return _error_outcome(request_id, exc)
+            return error_outcome(request_id, exc)
         record.prompt_tokens = job.num_prompt_tokens
         stream = self._jobs.submit(job)
         pieces: list[str] = []
@@ -111,7 +111,7 @@ class LineRunner:
             raise
         except (GatewayError, EngineError) as exc:
             self._usage.record(record.finish("error", stream.queue_wait_ms))
-            return _error_outcome(request_id, exc)
+            return error_outcome(request_id, exc)
         self._usage.record(record.finish("ok", stream.queue_wait_ms))
         shape = ResponseShape.for_request(
             request_id, model=self.model_name, service_tier=tier.name, chat=chat
@@ -187,7 +187,7 @@ class _Record:
         )
 
 
-def _error_outcome(request_id: str, exc: BaseException) -> LineOutcome:
+def error_outcome(request_id: str, exc: BaseException) -> LineOutcome:
     # The one error table decides status and body, as for a live request.
     response = error_response(exc)
     return LineOutcome(response.status_code, request_id, json.loads(bytes(response.body)))

@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from gateway import json_body
 from gateway.errors import InvalidRequestError
 from gateway.openai.schemas import parse_json_object
 
@@ -71,12 +72,12 @@ def parse_create_request(body: bytes) -> CreateBatchRequest:
             "Missing required parameter: 'input_file_id'.", param="input_file_id"
         )
     endpoint = data.get("endpoint")
-    if endpoint not in ENDPOINTS:
+    if not isinstance(endpoint, str) or endpoint not in ENDPOINTS:
         raise InvalidRequestError(
             f"endpoint must be one of {', '.join(ENDPOINTS)}.", param="endpoint"
         )
     window = data.get("completion_window")
-    if window not in COMPLETION_WINDOWS_S:
+    if not isinstance(window, str) or window not in COMPLETION_WINDOWS_S:
         raise InvalidRequestError(
             f"completion_window must be one of {', '.join(COMPLETION_WINDOWS_S)}.",
             param="completion_window",
@@ -170,8 +171,8 @@ def _parse_line(raw: bytes, endpoint: str, number: int, index: int) -> InputLine
         return _LineInvalid(LineError(code, message, number, param))
 
     try:
-        data = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError) as exc:
+        data = json_body.loads(raw.decode("utf-8"))
+    except ValueError as exc:  # JsonBodyError, UnicodeDecodeError
         raise invalid("invalid_json_line", f"Line {number} is not valid JSON ({exc}).") from None
     if not isinstance(data, dict):
         raise invalid("invalid_json_line", f"Line {number} is not a JSON object.")
@@ -197,7 +198,3 @@ def _parse_line(raw: bytes, endpoint: str, number: int, index: int) -> InputLine
     if not isinstance(body, dict):
         raise invalid("invalid_request", "body must be a JSON object.", "body")
     return InputLine(index, custom_id, json.dumps(body, separators=(",", ":")))
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.errors import error_response
+from gateway.errors import error_status
 from gateway.middleware import response_status_of
 from gateway.observability.logs import request_id_var, trace_id_var
 from gateway.observability.telemetry import Telemetry
@@ -50,18 +50,18 @@ class TelemetryMiddleware:
                 break
         trace_id = self.telemetry.start_request(request_id, scope["method"], path, traceparent)
         trace_token = trace_id_var.set(trace_id)
-        error_status: int | None = None
+        status_of_error: int | None = None
         try:
             await self.app(scope, receive, send)
         except Exception as exc:
             # The outer middleware turns it into the error table's response; record that.
-            error_status = error_response(exc).status_code
+            status_of_error = error_status(exc)
             raise
         finally:
             # GatewayMiddleware, outside, notes the status as the response starts.
             status_code = response_status_of(scope)
             self.telemetry.end_request(
-                request_id, error_status if status_code is None else status_code
+                request_id, status_of_error if status_code is None else status_code
             )
             trace_id_var.reset(trace_token)
             request_id_var.reset(id_token)

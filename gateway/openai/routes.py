@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from typing import Any, Protocol, TypeVar
 
 import anyio
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
@@ -26,6 +26,7 @@ from engine.request import SamplingParams
 from gateway.admission import Admission
 from gateway.auth import KeyAuthenticator, Principal
 from gateway.errors import (
+    CLIENT_CLOSED_REQUEST,
     GatewayError,
     InvalidRequestError,
     NotFoundError,
@@ -198,7 +199,12 @@ class OpenAIRoutes:
             exchange.num_prompt_tokens = len(prompt_ids)
             params = self.sampling_params(options, len(prompt_ids), chat=chat)
             job = build_job(request_id, principal, tier, prompt_ids, params, arrival_s, options)
-            headers = await self._admit(exchange, job, tier)
+            headers = await self._admit(
+                exchange, job, tier, max_tokens_given=options.max_tokens is not None
+            )
+        except ClientDisconnect:
+            self._finish(exchange, "aborted")  # gone before its body arrived
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         except (GatewayError, EngineError) as exc:
             self._finish(exchange, f"rejected:{error_code(exc)}")
             raise
@@ -217,7 +223,7 @@ class OpenAIRoutes:
                 )
         except ClientDisconnectedError:
             await self._finish_aborted(exchange)
-            return Response(status_code=499)
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         except QueueTimeoutError as exc:
             # Refused, not failed: dropped unserved after the tier's queue limit.
             self._finish(exchange, f"rejected:{error_code(exc)}")
@@ -238,13 +244,17 @@ class OpenAIRoutes:
         usage = Usage(exchange.num_prompt_tokens, exchange.num_completion_tokens)
         return JSONResponse(shape.full(text, finish_reason, usage), headers=headers)
 
-    async def _admit(self, exchange: _Exchange, job: Job, tier: TierPolicy) -> dict[str, str]:
+    async def _admit(
+        self, exchange: _Exchange, job: Job, tier: TierPolicy, *, max_tokens_given: bool
+    ) -> dict[str, str]:
         """Rate limits, SLO admission, enqueue; returns the x-ratelimit-* headers."""
         admission = self.deps.admission
         if admission is None:
             exchange.stream = await self.deps.dispatcher.submit_and_wait(job)
             return {}
-        reservation = await admission.reserve(exchange.principal, job)
+        reservation = await admission.reserve(
+            exchange.principal, job, max_tokens_given=max_tokens_given
+        )
         headers = reservation.status.headers()
         try:
             exchange.stream = await admission.enqueue(job, tier, headers=headers)

@@ -8,11 +8,11 @@ tokenisation) happen in the routes, where the engine is known.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
+from gateway import json_body
 from gateway.errors import InvalidRequestError
 
 MAX_STOP_SEQUENCES = 4
@@ -77,20 +77,14 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
     if not text.strip():
         raise InvalidRequestError("Request body is empty; expected a JSON object.")
     try:
-        data = json.loads(text, parse_constant=_reject_constant)
-    except json.JSONDecodeError as exc:
+        data = json_body.loads(text)
+    except json_body.JsonBodyError as exc:
         raise InvalidRequestError(
-            f"Request body is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno}).",
-            code="invalid_json",
+            f"Request body is not valid JSON: {exc}.", code="invalid_json"
         ) from None
     if not isinstance(data, dict):
         raise InvalidRequestError("Request body must be a JSON object.", code="invalid_json")
     return data
-
-
-def _reject_constant(name: str) -> Any:
-    # json.loads accepts NaN and Infinity by default; they are not JSON.
-    raise InvalidRequestError(f"{name} is not valid JSON.", code="invalid_json")
 
 
 def parse_completion_request(body: bytes) -> CompletionRequest:
@@ -142,11 +136,15 @@ def _options(data: dict[str, Any], *, chat: bool) -> GenerationOptions:
         value = _number(data, penalty, default=0.0)
         if value != 0.0:
             raise InvalidRequestError(f"{penalty} is not supported; use 0.", param=penalty)
-    for unsupported in ("logprobs", "top_logprobs", "logit_bias", "tools", "functions"):
-        if data.get(unsupported) not in (None, False, {}, []):
+    for unsupported in ("logprobs", "top_logprobs", "logit_bias", "tools", "functions", "echo"):
+        if not _is_unset(data.get(unsupported)):
             raise InvalidRequestError(f"{unsupported} is not supported.", param=unsupported)
-    if data.get("echo") not in (None, False):
-        raise InvalidRequestError("echo is not supported.", param="echo")
+    # Fields that only have their default here: anything else would be silently ignored.
+    for name, defaults in _DEFAULT_ONLY.items():
+        value = data.get(name)
+        if value is not None and not any(_same_json(value, d) for d in defaults):
+            allowed = " or ".join(repr(d) for d in defaults)
+            raise InvalidRequestError(f"{name} is not supported except as {allowed}.", param=name)
     return GenerationOptions(
         model=model,
         max_tokens=max_tokens,
@@ -159,6 +157,33 @@ def _options(data: dict[str, Any], *, chat: bool) -> GenerationOptions:
         user=_optional(data, "user", str),
         service_tier=_optional(data, "service_tier", str),
     )
+
+
+# Unsupported fields and the values of theirs that ask for nothing (OpenAI's defaults).
+_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
+    "response_format": ({"type": "text"},),
+    "suffix": ("",),
+    "best_of": (1,),
+    "tool_choice": ("none",),
+    "function_call": ("none",),
+}
+
+
+def _is_unset(value: Any) -> bool:
+    """None, false, or an empty array or object: a field that asks for nothing. Not 0,
+    which JSON tells apart from false (and `0 == False` in Python)."""
+    return value is None or value is False or (isinstance(value, dict | list) and not value)
+
+
+def _same_json(value: Any, expected: Any) -> bool:
+    """Equal as JSON values: 1 is not true, "1" is not 1."""
+    if isinstance(expected, dict):
+        return (
+            isinstance(value, dict)
+            and value.keys() == expected.keys()
+            and all(_same_json(value[k], v) for k, v in expected.items())
+        )
+    return type(value) is type(expected) and value == expected
 
 
 def _seed(data: dict[str, Any]) -> int | None:
@@ -181,7 +206,9 @@ def _prompt(data: dict[str, Any]) -> str | tuple[int, ...]:
     # A list holding exactly one prompt (text or ids) is a batch of one: accept it.
     if isinstance(prompt, list) and len(prompt) == 1:
         only = prompt[0]
-        if isinstance(only, str) or (isinstance(only, list) and only):
+        if isinstance(only, str) or (
+            isinstance(only, list) and only and all(_is_int(t) for t in only)
+        ):
             return _prompt({"prompt": only})
     if (
         isinstance(prompt, list)

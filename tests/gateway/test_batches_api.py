@@ -206,6 +206,15 @@ def test_tenant_below_batch_tier_runs_at_its_own(live_server: LiveServer) -> Non
         ([json.dumps({**_chat_line("a"), "body": "text"})], "invalid_request", 1),
         ([json.dumps({**_chat_line("a"), "custom_id": 7})], "invalid_request", 1),
         (["", "  "], "empty_file", None),
+        # Lines json.loads takes but no request may carry: before, the first two left
+        # the batch validating in a loop and the third left it in_progress forever.
+        (['{"custom_id": "d", "body": ' + "[" * 5_000 + "]" * 5_000 + "}"], "invalid_json_line", 1),
+        ([json.dumps(_chat_line("a")).replace('"a"', '"\\ud800"', 1)], "invalid_json_line", 1),
+        (
+            [json.dumps(_chat_line("a", "Hello")).replace("Hello", "\\ud800")],
+            "invalid_json_line",
+            1,
+        ),
     ],
 )
 def test_validation_failure_runs_nothing(
@@ -259,6 +268,14 @@ def test_bad_requests_are_typed_errors(live_server: LiveServer) -> None:
         )
     with pytest.raises(openai.NotFoundError):
         client.batches.create(input_file_id="file-nope", endpoint=CHAT, completion_window="24h")
+    for odd in ({}, [], 24):
+        with pytest.raises(openai.BadRequestError) as window:
+            client.batches.create(
+                input_file_id=uploaded.id,
+                endpoint=CHAT,
+                completion_window=odd,  # type: ignore[arg-type]
+            )
+        assert window.value.body["param"] == "completion_window"
     with pytest.raises(openai.BadRequestError):
         client.batches.list(limit=0)
     headers = {"authorization": f"Bearer {client.api_key}"}
@@ -283,6 +300,17 @@ def test_bad_requests_are_typed_errors(live_server: LiveServer) -> None:
         )
         assert broken.status_code == 400
         assert "x-request-id" in broken.headers
+        # A lone surrogate would have been stored, then broken the tenant's batch list.
+        window = f'"endpoint": "{CHAT}", "completion_window": "24h"'
+        for body in (
+            f'{{"input_file_id": "{uploaded.id}", {window}, "metadata": {{"a": "\\ud800"}}}}',
+            f'{{"input_file_id": "\\ud800", {window}}}',
+        ):
+            surrogate = raw.post(
+                "/v1/batches", content=body, headers={"content-type": "application/json"}
+            )
+            assert surrogate.status_code == 400, surrogate.text
+        assert raw.get("/v1/batches").status_code == 200
         not_json = raw.post("/v1/batches", content=b"{", headers={"content-type": "text/plain"})
         assert not_json.status_code == 400
         unauthenticated = httpx.get(f"{live_server.base_url}/v1/batches")

@@ -106,7 +106,17 @@ def test_context_length_exceeded(live_server: LiveServer) -> None:
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"prompt": ["one", "two"]}, "prompt"),
         ({"prompt": [10**9]}, "prompt"),
+        ({"prompt": [[[1]]]}, "prompt"),
+        ({"prompt": [[["hi"]]]}, "prompt"),
         ({"model": None}, "model"),
+        ({"echo": 0}, "echo"),
+        ({"logit_bias": 0}, "logit_bias"),
+        ({"logprobs": 0}, "logprobs"),
+        ({"suffix": "tail"}, "suffix"),
+        ({"best_of": 5}, "best_of"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"function_call": {"name": "f"}}, "function_call"),
     ],
 )
 def test_bad_values_are_400_naming_the_param(
@@ -139,7 +149,22 @@ def test_client_raises_bad_request_for_bad_chat_messages(live_server: LiveServer
         (b'{"model": "tiny-random", "prompt": "\xff\xfe"}', "invalid_utf8"),
         (b"[]", "invalid_json"),
         (b"", None),
+        # What json.loads takes but no request may carry.
+        (
+            b'{"model": "tiny-random", "prompt": "x", "max_tokens": 1' + b"1" * 5000 + b"}",
+            "invalid_json",
+        ),
+        (
+            b'{"model": "tiny-random", "prompt": ' + b"[" * 5_000 + b"]" * 5_000 + b"}",
+            "invalid_json",
+        ),
+        (
+            b'{"model": "tiny-random", "messages": [{"role": "user", "content": "\\ud800"}]}',
+            "invalid_json",
+        ),
+        (b'{"model": "tiny-random", "prompt": "NaN", "max_tokens": NaN}', "invalid_json"),
     ],
+    ids=["truncated", "bad-utf8", "array", "empty", "huge-int", "deep", "lone-surrogate", "nan"],
 )
 def test_undecodable_bodies_are_400(live_server: LiveServer, raw: bytes, code: str | None) -> None:
     response = httpx.post(
@@ -185,3 +210,101 @@ def test_unknown_paths_and_methods(live_server: LiveServer) -> None:
 def test_admin_api_without_the_token_is_401(live_server: LiveServer) -> None:
     response = httpx.get(f"{live_server.base_url}/admin/v1/tenants")
     _assert_error_shape(response, 401)
+
+
+def test_defaults_and_a_valid_surrogate_pair_are_accepted(live_server: LiveServer) -> None:
+    """The unsupported fields' own defaults ask for nothing and pass, and an escaped
+    surrogate pair (an emoji) is text."""
+    response = httpx.post(
+        f"{live_server.base_url}/v1/completions",
+        headers={"authorization": f"Bearer {live_server.keys['interactive']}"},
+        content=(
+            b'{"model": "tiny-random", "prompt": "hi \\ud83d\\ude00", "max_tokens": 2, '
+            b'"echo": false, "logprobs": null, "suffix": "", "best_of": 1, '
+            b'"response_format": {"type": "text"}}'
+        ),
+    )
+    assert response.status_code == 200, response.text
+
+
+def test_a_client_gone_before_its_body_arrived_is_not_a_server_error(
+    live_server: LiveServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A body shorter than its content-length, then a close: no 500, no error logged,
+    and the engine holds nothing."""
+    import socket
+
+    host, port = live_server.base_url.removeprefix("http://").split(":")
+    key = live_server.keys["interactive"]
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/batches"):
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(
+                f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+                "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+                '{"model": "tiny-'.encode()
+            )
+    # The server still answers, and logged no unhandled error for the three.
+    ok = httpx.post(
+        f"{live_server.base_url}/v1/completions",
+        headers={"authorization": f"Bearer {key}"},
+        json={"model": MODEL, "prompt": "x", "max_tokens": 2},
+    )
+    assert ok.status_code == 200
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
+
+
+@pytest.mark.parametrize(
+    ("path", "query"),
+    [
+        ("/tenants", {"limit": "\u00b2"}),
+        ("/tenants", {"limit": "9" * 5000}),
+        ("/usage", {"end": "9999-12-31T23:59:59-14:00"}),
+        ("/usage", {"start": "0001-01-01T00:00:00+14:00"}),
+        ("/usage", {"start": "0001-01-01T00:30:00Z", "end": "0001-01-01T02:00:00Z"}),
+    ],
+)
+def test_admin_queries_out_of_range_are_400(
+    live_server: LiveServer, path: str, query: dict[str, str]
+) -> None:
+    with live_server.admin() as admin:
+        response = admin.get(path, params=query)
+    assert _assert_error_shape(response, 400)["param"] in query
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/tenants", '{"name": "\\ud800x", "tier": "batch"}', None),
+        ("/tenants", '{"name": "a\\u0085b", "tier": "batch"}', "name"),
+        ("KEYS", '{"expires_at": "9999-12-31T23:59:59-14:00"}', "expires_at"),
+        ("KEYS", '{"expires_at": "0001-01-01T00:00:00+14:00"}', "expires_at"),
+    ],
+    ids=["lone-surrogate", "c1-control", "past-9999", "before-year-1"],
+)
+def test_admin_bodies_that_cannot_be_stored_are_400(
+    live_server: LiveServer, path: str, body: str, param: str | None
+) -> None:
+    if path == "KEYS":
+        path = f"/tenants/{live_server.tenant_ids['batch']}/keys"
+    with live_server.admin() as admin:
+        response = admin.post(path, content=body, headers={"content-type": "application/json"})
+    assert _assert_error_shape(response, 400)["param"] == param
+
+
+def test_a_request_over_the_tpm_limit_says_what_to_set(live_server: LiveServer) -> None:
+    with live_server.admin() as admin:
+        tenant = admin.post("/tenants", json={"name": "tiny-tpm", "tier": "interactive", "tpm": 64})
+        tenant.raise_for_status()
+        key = admin.post(f"/tenants/{tenant.json()['id']}/keys", json={}).json()["secret"]
+    client = live_server.client(key)
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError) as defaulted:
+        client.chat.completions.create(model=MODEL, messages=messages)
+    assert defaulted.value.code == "exceeds_token_limit"
+    assert "max_tokens was not set" in defaulted.value.message
+    with pytest.raises(openai.BadRequestError) as given:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=100)
+    assert "Set max_tokens to at most" in given.value.message
+    room = int(given.value.message.rsplit("at most ", 1)[1].split(",")[0])
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=room)
+    assert reply.usage.prompt_tokens + room == 64
