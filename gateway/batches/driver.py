@@ -141,6 +141,7 @@ class BatchDriver:
     async def _drive(self, batch_id: str) -> None:
         run = _BatchRun(self, batch_id)
         is_lost = False
+        pause_s = 0.0
         try:
             is_lost = await run.drive()
             self._failures.pop(batch_id, None)
@@ -156,15 +157,18 @@ class BatchDriver:
             pause_s = min(
                 self.config.failure_backoff_s * 2 ** (num_failures - 1), self.config.lease_s
             )
-            await asyncio.sleep(pause_s)
         finally:
-            await run.stop_lines()
-            if not is_lost:
-                with contextlib.suppress(Exception):
-                    await self._store.release(batch_id, self.owner_id)
-            self._driving.pop(batch_id, None)
-            self._pokes.pop(batch_id, None)
-            self._wake.set()
+            try:
+                await run.stop_lines()
+                if pause_s:
+                    await asyncio.sleep(pause_s)  # still ours meanwhile: nobody claims it
+            finally:  # released even if a shutdown cancels the pause
+                if not is_lost:
+                    with contextlib.suppress(Exception):
+                        await self._store.release(batch_id, self.owner_id)
+                self._driving.pop(batch_id, None)
+                self._pokes.pop(batch_id, None)
+                self._wake.set()
 
 
 class _BatchRun:
