@@ -88,6 +88,8 @@ def _path_id(request: Request, name: str, pattern, what: str) -> str:
 
 
 async def _check_min_share(session, name: str, min_share: float) -> None:
+    # Locked first: two changes at once would each see the other's old share.
+    await repo.lock_tiers(session)
     total = await repo.sum_min_share(session, excluding=name) + min_share
     if total > 1.0 + 1e-9:
         raise InvalidRequestError(
@@ -153,6 +155,13 @@ def _build_routes(deps: AdminDeps) -> list[BaseRoute]:
             if num_tenants:
                 raise ConflictError(
                     f"Tier {tier.name!r} is used by {num_tenants} tenant(s); move them first",
+                    code="tier_in_use",
+                )
+            num_batches = await repo.count_open_batches_on_tier(session, tier.name)
+            if num_batches:
+                raise ConflictError(
+                    f"Tier {tier.name!r} runs {num_batches} unfinished batch(es); cancel them "
+                    "or let them end first",
                     code="tier_in_use",
                 )
             await session.delete(tier)

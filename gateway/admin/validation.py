@@ -17,6 +17,7 @@ from gateway.errors import InvalidRequestError, PayloadTooLargeError
 MAX_BODY_BYTES = 64 * 1024
 MAX_INT = 2**31 - 1  # the columns are 32-bit on PostgreSQL
 MAX_NUMBER = 1e12
+MIN_WEIGHT = 0.001
 
 TIER_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")
 TENANT_ID = re.compile(r"ten_[0-9a-f]{24}")
@@ -181,7 +182,9 @@ TIER_FIELDS: dict[str, Field] = {
 TENANT_FIELDS: dict[str, Field] = {
     "name": Field("str", max_len=100),
     "tier": Field("str", pattern=TIER_NAME, max_len=32),
-    "weight": Field("number", min=0, min_exclusive=True, max=1000),
+    # Bounded below: the queue divides charges by the weight, and a weight near zero
+    # would send a counter, then the tier's floor, to infinity.
+    "weight": Field("number", min=MIN_WEIGHT, max=1000),
     "rpm": LIMIT,
     "tpm": LIMIT,
     "max_concurrency": LIMIT,

@@ -46,7 +46,7 @@ from gateway.db.models import utcnow
 from gateway.errors import NotFoundError
 from gateway.middleware import new_request_id
 from gateway.tiers import TierCatalog, TierPolicy
-from scheduler.backend import BackendUnavailableError, QueueFullError
+from scheduler.backend import BackendUnavailableError, QueueFullError, UnknownTierError
 
 log = logging.getLogger(__name__)
 
@@ -188,6 +188,8 @@ class _BatchRun:
         self.is_engine_dead = False
         self.principal: Principal | None = None
         self.tier: TierPolicy | None = None
+        self.loaded_s = 0.0  # monotonic: when principal and tier were read
+        self.is_suspended = False
 
     async def drive(self) -> bool:
         """Drive until the batch ends or the lease is lost; True if it was lost."""
@@ -233,8 +235,13 @@ class _BatchRun:
 
     async def _advance(self, batch: BatchRow) -> bool:
         """Submit lines up to the window; False when none is pending or running."""
-        if self.principal is None:
+        # Read again every heartbeat: a suspended tenant's batch pauses (its lines stay
+        # pending until it is active again or the batch expires), and changed limits,
+        # weight or tier apply to the lines submitted from then on.
+        if self.principal is None or time.monotonic() - self.loaded_s >= self.config.heartbeat_s:
             await self._load_principal(batch)
+        if self.is_suspended:
+            return True
         window = self._window() - len(self.in_flight)
         if time.monotonic() < self.refused_until_s:
             return True  # the queue is full: leave the lines pending a little longer
@@ -286,6 +293,16 @@ class _BatchRun:
             )
         except RequestAbortedError:
             return  # cancelled by this driver; the line stays pending
+        except UnknownTierError as exc:
+            # The batch's tier left the queue's table (deleted, or Redis restarted
+            # empty): not the line's fault. It stays pending; the next pass reloads the
+            # tenant and tier (the tenant's own tier if the batch's is gone).
+            log.warning("batch %s: %s; reloading its tier", self.batch_id, exc)
+            self.principal = None
+            self.tier = None
+            self.refused.append(line)
+            self.refused_until_s = time.monotonic() + self.config.refused_backoff_s
+            return
         except (QueueFullError, BackendUnavailableError) as exc:
             # Not the line's fault: it stays pending and is offered again after a pause,
             # so a full batch tier slows the batch down instead of failing its lines.
@@ -343,6 +360,8 @@ class _BatchRun:
         except NotFoundError:
             tier = own_tier  # the batch tier was deleted since: run at the tenant's own
         self.tier = tier
+        self.loaded_s = time.monotonic()
+        self.is_suspended = tenant.status != "active"
         self.principal = Principal(
             tenant_id=tenant.id,
             tenant_name=tenant.name,

@@ -89,7 +89,7 @@ class LineRunner:
         chat = endpoint == CHAT_ENDPOINT
         record = _Record(request_id, principal.tenant_id, tier.name, self.model_name, started_s)
         try:
-            job = self._admit(request_id, principal, tier, body_json, deadline_s, chat=chat)
+            job = await self._admit(request_id, principal, tier, body_json, deadline_s, chat=chat)
         except (GatewayError, EngineError) as exc:
             self._usage.record(record.finish(f"rejected:{error_code(exc)}"))
             return error_outcome(request_id, exc)
@@ -129,7 +129,7 @@ class LineRunner:
         """Drop a queued line or abort a running one (its run raises RequestAbortedError)."""
         return self._jobs.cancel(request_id)
 
-    def _admit(
+    async def _admit(
         self,
         request_id: str,
         principal: Principal,
@@ -146,6 +146,9 @@ class LineRunner:
         if options.stream:
             raise InvalidRequestError("stream is not supported in a batch.", param="stream")
         routes = self._routes
+        # A service_tier the live endpoint refuses is refused here too (400 unknown, 403
+        # above the tenant's); an allowed one changes nothing: lines run at the batch's.
+        await routes.resolve_tier(principal, options.service_tier)
         routes.check_model(options.model)
         prompt_ids = routes.prompt_token_ids(parsed)
         params = routes.sampling_params(options, len(prompt_ids), chat=chat)

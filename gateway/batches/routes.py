@@ -7,8 +7,11 @@ driver; the driver (here or on another replica) does the work.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
+from sqlalchemy.exc import IntegrityError
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -21,6 +24,7 @@ from gateway.batches.store import CANCELLED, CANCELLING, BatchStore
 from gateway.batches.validation import COMPLETION_WINDOWS_S, parse_create_request
 from gateway.batches.views import batch_view, file_view
 from gateway.errors import (
+    AuthenticationError,
     ConflictError,
     InvalidRequestError,
     NotFoundError,
@@ -95,9 +99,10 @@ class BatchRoutes:
             raise PayloadTooLargeError(
                 f"The file is larger than the limit of {self.deps.max_file_bytes} bytes."
             )
-        row = await self.deps.store.create_file(
-            principal.tenant_id, purpose=str(purpose), filename=filename, content=content
-        )
+        with _tenant_gone_as_401():
+            row = await self.deps.store.create_file(
+                principal.tenant_id, purpose=str(purpose), filename=filename, content=content
+            )
         return JSONResponse(file_view(row))
 
     async def get_file(self, request: Request) -> Response:
@@ -143,15 +148,16 @@ class BatchRoutes:
         window_s = COMPLETION_WINDOWS_S[parsed.completion_window]
         if tier.completion_window_s is not None:
             window_s = min(window_s, tier.completion_window_s)
-        row = await self.deps.store.create_batch(
-            principal.tenant_id,
-            endpoint=parsed.endpoint,
-            input_file_id=parsed.input_file_id,
-            completion_window=parsed.completion_window,
-            window_s=window_s,
-            tier=tier.name,
-            metadata=parsed.metadata,
-        )
+        with _tenant_gone_as_401():
+            row = await self.deps.store.create_batch(
+                principal.tenant_id,
+                endpoint=parsed.endpoint,
+                input_file_id=parsed.input_file_id,
+                completion_window=parsed.completion_window,
+                window_s=window_s,
+                tier=tier.name,
+                metadata=parsed.metadata,
+            )
         self.deps.driver.notify(row.id)
         return JSONResponse(batch_view(row, None))
 
@@ -224,3 +230,16 @@ def _page_size(raw: str | None) -> int:
     if not 1 <= limit <= MAX_PAGE_SIZE:
         raise InvalidRequestError(f"limit must be in 1..{MAX_PAGE_SIZE}.", param="limit")
     return limit
+
+
+@contextlib.contextmanager
+def _tenant_gone_as_401() -> Iterator[None]:
+    """A tenant deleted while its upload or batch was being stored fails the insert
+    (its foreign key): the key that authenticated the request is gone with it, so the
+    answer is the one the next request with that key gets, not a 500."""
+    try:
+        yield
+    except IntegrityError as exc:
+        raise AuthenticationError(
+            "The API key's tenant was deleted while the request ran."
+        ) from exc

@@ -20,25 +20,24 @@ from sqlalchemy.orm import defer
 
 from gateway.batches.validation import InputLine, LineError
 from gateway.db.batch_models import (
+    ACTIVE_STATUSES,
+    CANCELLED,
+    CANCELLING,
+    COMPLETED,
+    EXPIRED,
+    FAILED,
+    FINALIZING,
+    IN_PROGRESS,
     LINE_FAILED,
     LINE_PENDING,
     LINE_SUCCEEDED,
+    VALIDATING,
     BatchLineRow,
     BatchRow,
     FileRow,
 )
 from gateway.db.models import Tenant, utcnow
 
-# Batch statuses, as OpenAI names them.
-VALIDATING = "validating"
-IN_PROGRESS = "in_progress"
-FINALIZING = "finalizing"
-COMPLETED = "completed"
-FAILED = "failed"
-EXPIRED = "expired"
-CANCELLING = "cancelling"
-CANCELLED = "cancelled"
-ACTIVE_STATUSES = (VALIDATING, IN_PROGRESS, FINALIZING, CANCELLING)
 # The timestamp column each status sets when a batch enters it.
 _STATUS_TIME = {
     IN_PROGRESS: "in_progress_at",

@@ -121,6 +121,8 @@ def validate_input(
                 f"{limits.max_bytes}.",
             )
         ]
+    # Editors that save "UTF-8 with BOM" put one before the first line; it is no text.
+    content = content.removeprefix(b"\xef\xbb\xbf")
     raw_lines = [line for line in content.split(b"\n") if line.strip()]
     if not raw_lines:
         return [], [LineError("empty_file", "The input file holds no requests.")]

@@ -26,6 +26,17 @@ from sqlalchemy.orm import Mapped, mapped_column
 from gateway.db.models import Base, UTCDateTime, utcnow
 
 # Line states. A line leaves "pending" exactly once, by a conditional UPDATE.
+# Batch statuses, as OpenAI names them.
+VALIDATING = "validating"
+IN_PROGRESS = "in_progress"
+FINALIZING = "finalizing"
+COMPLETED = "completed"
+FAILED = "failed"
+EXPIRED = "expired"
+CANCELLING = "cancelling"
+CANCELLED = "cancelled"
+ACTIVE_STATUSES = (VALIDATING, IN_PROGRESS, FINALIZING, CANCELLING)
+
 LINE_PENDING = "pending"
 LINE_SUCCEEDED = "succeeded"  # its result goes to the output file
 LINE_FAILED = "failed"  # its result goes to the error file

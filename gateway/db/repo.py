@@ -9,9 +9,10 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import delete, func, select, text, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from gateway.db.batch_models import ACTIVE_STATUSES, BatchRow
 from gateway.db.models import ApiKey, Tenant, Tier, utcnow
 
 
@@ -25,6 +26,28 @@ async def get_tier(session: AsyncSession, name: str) -> Tier | None:
 
 async def count_tenants_on_tier(session: AsyncSession, name: str) -> int:
     return await session.scalar(select(func.count()).where(Tenant.tier == name)) or 0
+
+
+async def count_open_batches_on_tier(session: AsyncSession, name: str) -> int:
+    """Batches at tier `name` that have not ended (their lines still run at it)."""
+    return (
+        await session.scalar(
+            select(func.count()).where(BatchRow.tier == name, BatchRow.status.in_(ACTIVE_STATUSES))
+        )
+        or 0
+    )
+
+
+async def lock_tiers(session: AsyncSession) -> None:
+    """Serialize this transaction with every other one that locks the tiers, until it
+    ends: a check over all tiers (their min_share sum) then holds when it commits.
+    Plain reads are not blocked."""
+    if session.bind.dialect.name == "postgresql":
+        await session.execute(text("LOCK TABLE tiers IN SHARE ROW EXCLUSIVE MODE"))
+    else:
+        # SQLite has one writer at a time: a write, even of no row, takes the lock now
+        # instead of at the commit, when the check would already be stale.
+        await session.execute(text("UPDATE tiers SET rank = rank WHERE 0"))
 
 
 async def sum_min_share(session: AsyncSession, *, excluding: str | None = None) -> float:

@@ -192,7 +192,7 @@ class OpenAIRoutes:
             body = await request.body()
             parsed = parse_chat_request(body) if chat else parse_completion_request(body)
             options = parsed.options
-            tier = await self._resolve_tier(principal, options.service_tier)
+            tier = await self.resolve_tier(principal, options.service_tier)
             exchange.tier = tier.name
             self.check_model(options.model)
             prompt_ids = self.prompt_token_ids(parsed)
@@ -264,7 +264,7 @@ class OpenAIRoutes:
         exchange.reservation = reservation
         return headers
 
-    async def _resolve_tier(self, principal: Principal, requested: str | None) -> TierPolicy:
+    async def resolve_tier(self, principal: Principal, requested: str | None) -> TierPolicy:
         if requested is None or requested in OWN_TIER_ALIASES or requested == principal.tier.name:
             return principal.tier
         try:
@@ -282,8 +282,8 @@ class OpenAIRoutes:
             )
         return tier
 
-    # check_model, prompt_token_ids, sampling_params and build_job are the endpoint's
-    # validation steps; the Batch API runs each batch line through the same ones.
+    # resolve_tier, check_model, prompt_token_ids, sampling_params and build_job are the
+    # endpoint's validation steps; the Batch API runs each batch line through the same ones.
     def check_model(self, model: str) -> None:
         """NotFoundError unless `model` is the model this server serves."""
         if model != self.deps.model.model_name:

@@ -164,6 +164,33 @@ async def test_min_share_over_all_tiers_may_not_exceed_one(admin: Admin) -> None
     assert patch.status_code == 200, patch.text
 
 
+async def test_concurrent_share_changes_cannot_push_the_sum_past_one(admin: Admin) -> None:
+    """Eight changes at once, each fitting alone: the check and the write of each are
+    one step, so those that would push the sum past 1 are refused."""
+    import asyncio
+
+    for i in range(8):
+        created = await admin.client.post(
+            "/admin/v1/tiers", json={"name": f"ms{i}", "rank": 10 + i}
+        )
+        assert created.status_code == 201, created.text
+    replies = await asyncio.gather(
+        *(admin.client.patch(f"/admin/v1/tiers/ms{i}", json={"min_share": 0.4}) for i in range(8))
+    )
+    assert sorted(r.status_code for r in replies) == [200, 200] + [400] * 6
+    tiers = (await admin.client.get("/admin/v1/tiers")).json()["data"]
+    assert sum(t["min_share"] for t in tiers) <= 1.0 + 1e-9
+
+
+async def test_a_tiny_weight_is_refused(admin: Admin) -> None:
+    """The queue divides charges by the weight: near zero, a counter would overflow."""
+    response = await admin.client.post(
+        "/admin/v1/tenants", json={"name": "tiny", "tier": "batch", "weight": 5e-324}
+    )
+    _assert_error(response, 400, param="weight")
+    await admin.create_tenant("small", "batch", weight=0.001)
+
+
 BAD_BODIES = [
     ("/tiers", b"{not json", None),
     ("/tiers", b"[1, 2]", None),

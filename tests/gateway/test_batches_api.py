@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import openai
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, text
 
 from gateway.db.models import UsageRow
 from gateway.db.session import create_db_engine, create_sessionmaker
@@ -418,3 +418,81 @@ def test_expiry_returns_finished_lines_and_expires_the_rest(live_server: LiveSer
     _output, errors = _assert_one_result_each(client, batch, n)
     assert errors
     assert {e["error"]["code"] for e in errors} == {"batch_expired"}
+
+
+def test_lines_are_checked_as_the_live_endpoint_checks_them(live_server: LiveServer) -> None:
+    """A line's service_tier is refused as the live endpoint refuses it (the line runs
+    at the batch's tier either way), and a file saved with a UTF-8 BOM reads as text."""
+    client = live_server.client(_tenant_key(live_server, "interactive"))
+    lines = [
+        _chat_line("own", service_tier="auto"),
+        _chat_line("lower", service_tier="batch"),
+        _chat_line("unknown", service_tier="bogus"),
+        _chat_line("higher", service_tier="priority"),
+    ]
+    batch = _wait(client, _submit(client, b"\xef\xbb\xbf" + _jsonl(lines)).id)
+    assert batch.status == "completed"
+    output = {r["custom_id"] for r in _results(client, batch.output_file_id)}
+    errors = {r["custom_id"]: r for r in _results(client, batch.error_file_id)}
+    assert output == {"own", "lower"}
+    assert errors["unknown"]["response"]["status_code"] == 400
+    assert errors["higher"]["response"]["status_code"] == 403
+    assert errors["higher"]["response"]["body"]["error"]["code"] == "tier_not_allowed"
+
+
+def test_a_tier_running_a_batch_cannot_be_deleted(live_server: LiveServer) -> None:
+    with live_server.admin() as admin:
+        name = paced_tier(admin)
+        client = live_server.client(_tenant_key(live_server, name))
+        batch = _submit(client, _long_lines(20))
+        refused = admin.delete(f"/tiers/{name}")
+        assert refused.status_code == 409, refused.text
+        assert refused.json()["error"]["code"] == "tier_in_use"
+        client.batches.cancel(batch.id)
+        assert _wait(client, batch.id).status == "cancelled"
+
+
+def test_a_suspended_tenants_batch_pauses_and_resumes(live_server: LiveServer) -> None:
+    with live_server.admin() as admin:
+        tier = paced_tier(admin)
+        tenant = admin.post("/tenants", json={"name": f"s-{uuid.uuid4().hex[:8]}", "tier": tier})
+        tenant.raise_for_status()
+        tenant_id = tenant.json()["id"]
+        key = admin.post(f"/tenants/{tenant_id}/keys", json={}).json()["secret"]
+        client = live_server.client(key)
+        n = 12
+        batch_id = _submit(client, _long_lines(n)).id
+        _until_completed(client, batch_id, 2)
+        admin.patch(f"/tenants/{tenant_id}", json={"status": "suspended"}).raise_for_status()
+        time.sleep(1.5)  # the driver reads the tenant every heartbeat (at most 1 s)
+        # Suspended: it answers nothing to the tenant's key, so the admin side watches.
+        paused = _line_counts(live_server, batch_id)
+        time.sleep(2.0)
+        assert _line_counts(live_server, batch_id) == paused  # nothing more ran
+        assert paused["done"] < n
+        admin.patch(f"/tenants/{tenant_id}", json={"status": "active"}).raise_for_status()
+    batch = _wait(client, batch_id)
+    assert batch.status == "completed"
+    assert batch.request_counts.completed == n
+
+
+def _until_completed(client: openai.OpenAI, batch_id: str, num_lines: int) -> None:
+    deadline = time.monotonic() + 60
+    while client.batches.retrieve(batch_id).request_counts.completed < num_lines:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def _line_counts(live_server: LiveServer, batch_id: str) -> dict[str, int]:
+    async def count() -> dict[str, int]:
+        engine = create_db_engine(live_server.database_url)
+        try:
+            async with create_sessionmaker(engine)() as session:
+                query = "SELECT status, count(*) FROM batch_lines WHERE batch_id = :b"
+                rows = await session.execute(text(query + " GROUP BY status"), {"b": batch_id})
+                by_status = dict(rows.all())
+        finally:
+            await engine.dispose()
+        return {"done": sum(n for s, n in by_status.items() if s != "pending")}
+
+    return asyncio.run(count())
