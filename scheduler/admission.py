@@ -18,7 +18,10 @@ a worse rank is not counted.
 Decode work ahead counts at a fraction because jobs ahead stop on average before their
 max_tokens and, with continuous batching, a job starts once those ahead have been
 admitted to the batch, not finished. If the prediction exceeds the SLO the job is refused
-with the time after which the same request would fit (`retry_after_ms`). Tiers without a
+with the time after which the same request would fit (`retry_after_ms`). A job whose own
+prefill alone exceeds the SLO can never fit: it is admitted once nothing is ahead of it
+(best effort) and otherwise refused with the time the work ahead needs to drain
+(SloBudget.limit_ms), so that honouring the Retry-After gets it served. Tiers without a
 TTFT SLO (batch) are bounded only by the queue caps enforced in enqueue (QueueFullError).
 
 The queue makes the check itself, in the step that enqueues (`admit`, QueueBackend.enqueue
@@ -119,7 +122,7 @@ async def check_slo(
     )
     work = await backend.work_ahead(job.tier, job.tenant_id, job.weight, job.num_prompt_tokens)
     predicted = budget.predict_ms(work, job.num_prompt_tokens)
-    refusal = budget.refusal(tier.name, predicted)
+    refusal = budget.refusal(tier.name, predicted, job.num_prompt_tokens)
     if refusal is not None:
         raise refusal
     return predicted

@@ -157,15 +157,30 @@ class SloBudget:
             decode_s = self.decode_ahead_fraction * num_decode / self.decode_tokens_per_s
         return 1000.0 * (prefill_s + decode_s)
 
-    def refusal(self, tier: str, predicted_ms: float) -> SloUnattainableError | None:
-        """The error refusing a job predicted at `predicted_ms`, or None if it fits."""
-        if predicted_ms <= self.ttft_slo_ms:
+    def alone_ms(self, num_prompt_tokens: int) -> float:
+        """The job's predicted TTFT with nothing ahead of it: its own prefill."""
+        return 1000.0 * num_prompt_tokens / self.prefill_tokens_per_s
+
+    def limit_ms(self, num_prompt_tokens: int) -> float:
+        """The most a job's predicted TTFT may be to be admitted: the SLO, or the job's
+        own prefill when that alone exceeds the SLO (a prompt too long for the tier's
+        SLO at the fleet's speed is served once nothing is ahead of it, at best effort,
+        instead of being told to come back forever). The Lua mirror is in enqueue.lua."""
+        return max(self.ttft_slo_ms, self.alone_ms(num_prompt_tokens))
+
+    def refusal(
+        self, tier: str, predicted_ms: float, num_prompt_tokens: int
+    ) -> SloUnattainableError | None:
+        """The error refusing a job predicted at `predicted_ms`, or None if it fits. Its
+        wait is the time the work ahead needs to drain below the limit."""
+        limit_ms = self.limit_ms(num_prompt_tokens)
+        if predicted_ms <= limit_ms:
             return None
         return SloUnattainableError(
             tier=tier,
             predicted_ttft_ms=predicted_ms,
             ttft_slo_ms=self.ttft_slo_ms,
-            retry_after_ms=math.ceil(predicted_ms - self.ttft_slo_ms),
+            retry_after_ms=math.ceil(predicted_ms - limit_ms),
         )
 
 

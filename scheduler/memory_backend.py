@@ -233,7 +233,7 @@ class MemoryBackend:
         if slo is not None:
             work = self._work_ahead(job.tier, job.tenant_id, job.weight, job.num_prompt_tokens)
             predicted = slo.predict_ms(work, job.num_prompt_tokens)
-            refusal = slo.refusal(job.tier, predicted)
+            refusal = slo.refusal(job.tier, predicted, job.num_prompt_tokens)
             if refusal is not None:
                 raise refusal
         if job.job_id in self._entries or job.job_id in self._finished:

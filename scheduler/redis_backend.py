@@ -232,7 +232,11 @@ class RedisBackend:
         verdict, _, predicted = outcome.partition(":")
         if verdict == "ok":
             return float(predicted) if predicted else None
-        refusal = slo.refusal(job.tier, float(predicted)) if slo and verdict == "slo" else None
+        refusal = (
+            slo.refusal(job.tier, float(predicted), job.num_prompt_tokens)
+            if slo and verdict == "slo"
+            else None
+        )
         if refusal is not None:
             raise refusal
         if verdict == "unknown_tier":

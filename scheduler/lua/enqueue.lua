@@ -9,7 +9,7 @@
 --       The SLO budget is SloBudget's fields, space-separated: ttft_slo_ms, prefill and
 --       decode tokens/s, held prefill and decode tokens, decode fraction. With it, each
 --       job's TTFT is predicted from the work queued ahead of it (work_ahead) and the job
---       refused when the prediction exceeds the SLO.
+--       refused when the prediction exceeds the SLO (or its own prefill, if longer).
 -- Returns: the jobs' outcomes in order, space-separated, each 'ok', 'unknown_tier',
 --          'duplicate' or 'queue_full' (one string parses faster than an array); with a
 --          budget 'ok:<predicted ms>' or 'slo:<predicted ms>' (refused) instead of 'ok'.
@@ -39,7 +39,9 @@ local function enqueue_one(id, json, fields)
   if budget then
     local prefill, decode = work_ahead(tier, tenant, tonumber(weight), tonumber(pin))
     local predicted = slo_predict(budget, prefill, decode, tonumber(pin))
-    if predicted > budget[1] then return 'slo:' .. fmt(predicted) end
+    -- SloBudget.limit_ms: the SLO, or the job's own prefill if that alone exceeds it.
+    local limit = math.max(budget[1], 1000.0 * tonumber(pin) / budget[2])
+    if predicted > limit then return 'slo:' .. fmt(predicted) end
     ok = 'ok:' .. fmt(predicted)
   end
   if p.max_queued then

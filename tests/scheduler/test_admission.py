@@ -162,14 +162,39 @@ async def test_concurrent_admissions_each_see_the_work_the_others_queued(backend
     assert (await backend.depth())["priority"].num_jobs == 5
 
 
+async def test_a_prompt_too_long_for_the_slo_runs_once_nothing_is_ahead(backend, make_job) -> None:
+    """Its own prefill exceeds the SLO: no wait makes it fit, so it is admitted (at best
+    effort) with nothing ahead, and refused with the time the work ahead needs to drain
+    otherwise (not told to come back forever)."""
+    await backend.configure_tiers([PRIORITY])
+    rates = {"ttft_slo_ms": 50.0, "prefill_tokens_per_s": 1_000.0, "decode_tokens_per_s": 0.0}
+    # Work the engines hold counts as ahead: 10 tokens of it, 10 ms.
+    held = SloBudget(**rates, held_prefill_tokens=10)
+    with pytest.raises(SloUnattainableError) as behind_held:
+        await backend.enqueue(make_job("c", "priority", num_prompt_tokens=300), slo=held)
+    assert behind_held.value.retry_after_ms == 10
+    budget = SloBudget(**rates)
+    long = make_job("a", "priority", num_prompt_tokens=200, job_id="long")
+    assert await backend.enqueue(long, slo=budget) == pytest.approx(200.0)
+    with pytest.raises(SloUnattainableError) as refused:
+        await backend.enqueue(make_job("b", "priority", num_prompt_tokens=300), slo=budget)
+    assert refused.value.predicted_ttft_ms == pytest.approx(500.0)
+    assert refused.value.retry_after_ms == 200  # the 200 tokens ahead, at 1,000/s
+
+
 async def test_an_slo_refusal_leaves_no_trace_and_checks_come_in_order(backend, make_job) -> None:
     await backend.configure_tiers([PRIORITY, BATCH])
-    tight = SloBudget(ttft_slo_ms=50.0, prefill_tokens_per_s=1_000.0, decode_tokens_per_s=0.0)
+    tight = SloBudget(
+        ttft_slo_ms=150.0,
+        prefill_tokens_per_s=1_000.0,
+        decode_tokens_per_s=0.0,
+        held_prefill_tokens=100,
+    )
     loose = SloBudget(ttft_slo_ms=5_000.0, prefill_tokens_per_s=1_000.0, decode_tokens_per_s=0.0)
     job = make_job("me", "priority", num_prompt_tokens=100, job_id="refused-once")
     with pytest.raises(SloUnattainableError) as refused:
         await backend.enqueue(job, slo=tight)
-    assert refused.value.predicted_ttft_ms == pytest.approx(100.0)
+    assert refused.value.predicted_ttft_ms == pytest.approx(200.0)
     assert refused.value.retry_after_ms == 50
     assert await backend.depth() == {}
     assert await backend.job_status(job.job_id) is None

@@ -96,12 +96,25 @@ def test_finished_requests_free_their_slot_and_limits_can_be_switched_off() -> N
 
 
 def test_a_refused_request_gives_back_its_reservation() -> None:
-    # A TTFT SLO nothing meets: SLO admission refuses every request after the limiter
+    # A TTFT SLO below a request's own prefill, behind a better rank's steady work: SLO
+    # admission refuses every request that has work ahead of it, after the limiter
     # admitted it. With the reservation handed back, the cap of one never bites.
-    tier = TierSpec("t", 1, ttft_slo_ms=0.001, limits=TenantLimits(max_concurrency=1), **SHORT)
-    spec = WorkloadSpec((tier,), (TenantSpec("a", "t"),), 5, 20, seed=2)
+    tight = TierSpec("t", 1, ttft_slo_ms=0.001, limits=TenantLimits(max_concurrency=1), **SHORT)
+    ahead = TierSpec(
+        "ahead",
+        0,
+        prompt_len=LengthDist("fixed", mean=64),
+        output_len=LengthDist("fixed", mean=400),
+    )
+    tenants = (TenantSpec("a", "t", load_share=0.1), TenantSpec("b", "ahead", load_share=0.9))
+    spec = WorkloadSpec((tight, ahead), tenants, 50, 20, seed=2)
     refused = _refusals(spec, "tiered")["a"]
-    assert refused["slo_unattainable"] == refused["offered"]
+    assert refused["offered"] > 50
+    # Refused by SLO but for the few that found nothing ahead (served at best effort,
+    # holding the slot while they ran). A reservation kept by a refused request would
+    # have turned every later one into a concurrency refusal.
+    assert refused["slo_unattainable"] >= refused["offered"] - 10
+    assert refused.get("concurrency_limit_exceeded", 0) <= 5
 
 
 def test_provisioned_limits_cover_the_share_with_headroom_and_keep_the_defaults() -> None:
