@@ -11,6 +11,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -34,11 +35,13 @@ def _is_last(fields: dict[str, str]) -> bool:
 
 
 @contextlib.asynccontextmanager
-async def reader_on(url: str = REDIS_URL) -> AsyncIterator[tuple[aioredis.Redis, StreamReader]]:
+async def reader_on(
+    url: str = REDIS_URL, **options: Any
+) -> AsyncIterator[tuple[aioredis.Redis, StreamReader]]:
     client = aioredis.Redis.from_url(url, decode_responses=True)
     channel = ScriptChannel.for_client(client)
     assert channel is not None
-    reader = StreamReader(channel, is_last=_is_last, block_ms=BLOCK_MS)
+    reader = StreamReader(channel, is_last=_is_last, **{"block_ms": BLOCK_MS, **options})
     _open_readers.append(reader)
     prefix = f"{{test-reader-{uuid.uuid4().hex[:8]}}}:"
     client.test_prefix = prefix  # type: ignore[attr-defined]
@@ -280,13 +283,8 @@ async def test_a_server_that_denies_unblock_makes_the_queue_read_streams_one_by_
 
 
 async def test_idle_connections_beyond_the_first_are_closed() -> None:
-    client = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
-    channel = ScriptChannel.for_client(client)
-    assert channel is not None
-    reader = StreamReader(channel, is_last=_is_last, streams_per_read=2, idle_s=0.2)
-    _open_readers.append(reader)
-    prefix = f"{{test-reader-{uuid.uuid4().hex[:8]}}}:"
-    try:
+    async with reader_on(streams_per_read=2, idle_s=0.2) as (client, reader):
+        prefix = client.test_prefix  # type: ignore[attr-defined]
         keys = [f"{prefix}s{i}" for i in range(5)]
         followers = [asyncio.ensure_future(_collect(reader, key)) for key in keys]
         await asyncio.sleep(0.1)
@@ -308,9 +306,3 @@ async def test_idle_connections_beyond_the_first_are_closed() -> None:
         for key in fresh:
             await client.xadd(key, {"last": "1"})
         await asyncio.wait_for(asyncio.gather(*again), timeout=5)
-    finally:
-        _open_readers.remove(reader)
-        await reader.aclose()
-        await channel.aclose()
-        await _delete_prefix(client, prefix)
-        await client.aclose()
