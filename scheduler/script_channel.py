@@ -151,7 +151,10 @@ class ScriptChannel:
 
     async def send(self, protocol: _Protocol, command: tuple[object, ...]) -> Any:
         """The reply of `command` on `protocol`; a reply later than the timeout drops
-        the connection (ConnectionError for whatever else waits on it)."""
+        the connection (ConnectionError for whatever else waits on it). A connection
+        already lost fails the call at once: nothing written to it would be answered."""
+        if protocol.lost is not None:
+            raise protocol.lost
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         protocol.pending.append(future)

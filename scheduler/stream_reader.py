@@ -280,6 +280,10 @@ class _Shard:
                     del self._followers[key]  # nothing follows; its consumer ends itself
 
     async def _connect(self) -> Any:
+        if self._connection is not None and self._connection.lost is not None:
+            # Lost while no read was in flight (Redis restarted, the client was killed):
+            # a new connection, and with it a new client id for CLIENT UNBLOCK.
+            self._drop_connection()
         if self._connection is None:
             connection = await self._channel.open_connection()
             try:

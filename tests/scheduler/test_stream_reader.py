@@ -306,3 +306,25 @@ async def test_idle_connections_beyond_the_first_are_closed() -> None:
         for key in fresh:
             await client.xadd(key, {"last": "1"})
         await asyncio.wait_for(asyncio.gather(*again), timeout=5)
+
+
+async def test_a_connection_lost_while_idle_is_replaced_at_once() -> None:
+    """Killed while no read was in flight (no stream followed): the next stream opens a
+    new connection instead of writing to the dead one and waiting out the timeout."""
+    async with reader_on() as (client, reader):
+        prefix = client.test_prefix  # type: ignore[attr-defined]
+        first = asyncio.ensure_future(_collect(reader, f"{prefix}a"))
+        await asyncio.sleep(0.05)
+        await client.xadd(f"{prefix}a", {"last": "1"})
+        await asyncio.wait_for(first, timeout=5)
+        [address] = _addresses(reader)
+        killed = [c for c in await client.client_list() if c["addr"] == address]
+        assert await client.client_kill_filter(_id=killed[0]["id"]) == 1
+        await asyncio.sleep(0.1)  # the close reaches the reader, idle meanwhile
+        started = time.monotonic()
+        second = asyncio.ensure_future(_collect(reader, f"{prefix}b"))
+        await asyncio.sleep(0.05)
+        await client.xadd(f"{prefix}b", {"last": "1"})
+        assert await asyncio.wait_for(second, timeout=5) == [{"last": "1"}]
+        assert time.monotonic() - started < 2.0
+        assert _addresses(reader) != {address}
