@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -26,31 +27,62 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 API_PREFIX = "/admin/v1"
 
 
+def integer(raw: str) -> int:
+    """An integer flag value (argparse names this function in its error: keep it plain)."""
+    try:
+        return int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not an integer") from None
+
+
+def number(raw: str) -> float:
+    """A finite number: JSON has no NaN or infinity to send."""
+    try:
+        value = float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a finite number")
+    return value
+
+
+def positive_seconds(raw: str) -> float:
+    value = number(raw)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a positive number of seconds")
+    return value
+
+
 def _int_or_none(raw: str) -> int | None:
-    return None if raw.lower() in ("none", "null") else int(raw)
+    return None if raw.lower() in ("none", "null") else integer(raw)
 
 
 def _float_or_none(raw: str) -> float | None:
-    return None if raw.lower() in ("none", "null") else float(raw)
+    return None if raw.lower() in ("none", "null") else number(raw)
+
+
+# argparse says "invalid <type name> value"; these read as what the flag takes.
+_int_or_none.__name__ = "integer (or none)"
+_float_or_none.__name__ = "number (or none)"
 
 
 # (flag, type) of every tier field an admin may set; `dest` is the JSON field name.
 _TIER_FLAGS: list[tuple[str, Callable[[str], Any]]] = [
-    ("--rank", int),
+    ("--rank", integer),
     ("--ttft-slo-ms", _float_or_none),
     ("--tpot-slo-ms", _float_or_none),
     ("--max-queue-ms", _float_or_none),
     ("--max-queued-jobs", _int_or_none),
     ("--completion-window-s", _int_or_none),
-    ("--min-share", float),
+    ("--min-share", number),
     ("--rpm", _int_or_none),
     ("--tpm", _int_or_none),
     ("--max-concurrency", _int_or_none),
-    ("--price-input-per-mtok", float),
-    ("--price-output-per-mtok", float),
+    ("--price-input-per-mtok", number),
+    ("--price-output-per-mtok", number),
 ]
 _TENANT_LIMIT_FLAGS: list[tuple[str, Callable[[str], Any]]] = [
-    ("--weight", float),
+    ("--weight", number),
     ("--rpm", _int_or_none),
     ("--tpm", _int_or_none),
     ("--max-concurrency", _int_or_none),
@@ -78,7 +110,7 @@ def _connection_flags() -> argparse.ArgumentParser:
         default=os.environ.get("TIERGATE_ADMIN_TOKEN"),
         help="admin bearer token (TIERGATE_ADMIN_TOKEN)",
     )
-    common.add_argument("--timeout-s", type=float, default=30.0, help="HTTP timeout")
+    common.add_argument("--timeout-s", type=positive_seconds, default=30.0, help="HTTP timeout")
     return common
 
 
@@ -102,7 +134,7 @@ def add_admin_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
     def leaf(group, name: str, help_: str, build: Callable[[argparse.Namespace], tuple]):
         parser = group.add_parser(name, help=help_, parents=[common])
-        parser.set_defaults(func=lambda args: _call(args, *build(args)))
+        parser.set_defaults(func=lambda args: _call_built(args, build))
         return parser
 
     tiers = _group(groups, "tiers", "service tiers")
@@ -127,7 +159,7 @@ def add_admin_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
     tenants = _group(groups, "tenants", "tenants")
     listing = leaf(tenants, "list", "list tenants", lambda a: ("GET", _tenant_page(a), None))
-    listing.add_argument("--limit", type=int, default=100)
+    listing.add_argument("--limit", type=integer, default=100)
     listing.add_argument("--after", help="last tenant id of the previous page")
     get = leaf(tenants, "get", "show a tenant", lambda a: ("GET", f"/tenants/{_q(a.id)}", None))
     create = leaf(tenants, "create", "add a tenant", lambda a: ("POST", "/tenants", _body(a)))
@@ -161,7 +193,7 @@ def add_admin_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     create.add_argument("tenant_id", help="tenant id (ten_...)")
     create.add_argument("--name", default=argparse.SUPPRESS)
     create.add_argument("--expires-at", default=argparse.SUPPRESS, help="ISO 8601, with zone")
-    create.add_argument("--expires-in-s", type=int, default=argparse.SUPPRESS)
+    create.add_argument("--expires-in-s", type=integer, default=argparse.SUPPRESS)
     listing = leaf(
         keys,
         "list",
@@ -185,7 +217,13 @@ def _group(groups, name: str, help_: str):
     return parser.add_subparsers(metavar="ACTION")
 
 
+class _EmptyIdError(Exception):
+    """An id argument given as an empty string (it would address the collection)."""
+
+
 def _q(segment: str) -> str:
+    if not segment:
+        raise _EmptyIdError
     return quote(segment, safe="")
 
 
@@ -202,9 +240,21 @@ def _body(args: argparse.Namespace) -> dict[str, Any]:
     return {name: value for name, value in vars(args).items() if name in _BODY_FIELDS}
 
 
+def _call_built(args: argparse.Namespace, build: Callable[[argparse.Namespace], tuple]) -> int:
+    try:
+        request = build(args)
+    except _EmptyIdError:
+        print("tiergate admin: an id or name may not be empty", file=sys.stderr)
+        return 2
+    return _call(args, *request)
+
+
 def _call(args: argparse.Namespace, method: str, path: str, body: Any = None) -> int:
     if not args.admin_token:
         print("tiergate admin: set --admin-token or TIERGATE_ADMIN_TOKEN", file=sys.stderr)
+        return 2
+    if not args.admin_token.isascii():
+        print("tiergate admin: the admin token is ASCII; this one is not", file=sys.stderr)
         return 2
     url = args.url.rstrip("/") + API_PREFIX + path
     try:

@@ -26,6 +26,8 @@ from urllib.parse import quote
 
 import httpx
 
+from gateway.admin_cli import positive_seconds
+
 DEFAULT_URL = "http://127.0.0.1:8000"
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 TERMINAL_STATUSES = frozenset({"completed", "failed", "expired", "cancelled"})
@@ -105,7 +107,7 @@ def add_batch_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         default=os.environ.get("TIERGATE_API_KEY") or os.environ.get("OPENAI_API_KEY"),
         help="tenant API key (TIERGATE_API_KEY, else OPENAI_API_KEY)",
     )
-    common.add_argument("--timeout-s", type=float, default=60.0, help="HTTP timeout")
+    common.add_argument("--timeout-s", type=positive_seconds, default=60.0, help="HTTP timeout")
 
     batch = subparsers.add_parser("batch", help="run JSONL files through the Batch API")
     actions = batch.add_subparsers(metavar="ACTION")
@@ -120,7 +122,9 @@ def add_batch_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "--metadata", action="append", default=[], metavar="KEY=VALUE", help="repeatable"
     )
     submit.add_argument("--wait", action="store_true", help="follow the batch until it ends")
-    submit.add_argument("--poll-s", type=float, default=1.0, help="how often --wait polls")
+    submit.add_argument(
+        "--poll-s", type=positive_seconds, default=1.0, help="how often --wait polls"
+    )
     submit.set_defaults(func=lambda args: _run(args, _submit))
 
     status = actions.add_parser("status", help="show a batch", parents=[common])
@@ -149,6 +153,12 @@ def _usage(parser: argparse.ArgumentParser) -> int:
 def _run(args: argparse.Namespace, action: Callable[[BatchClient, argparse.Namespace], int]) -> int:
     if not args.api_key:
         print("tiergate batch: set --api-key or TIERGATE_API_KEY", file=sys.stderr)
+        return 2
+    if not args.api_key.isascii():
+        print("tiergate batch: API keys are ASCII; this one is not", file=sys.stderr)
+        return 2
+    if not getattr(args, "batch_id", "x"):
+        print("tiergate batch: the batch id may not be empty", file=sys.stderr)
         return 2
     try:
         with BatchClient(args.url, args.api_key, timeout_s=args.timeout_s) as client:
@@ -247,13 +257,24 @@ def _results(client: BatchClient, args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    if batch["status"] == "failed":
+        # Failed before any line ran (validation): the reasons are on the batch itself.
+        print(f"tiergate batch: {args.batch_id} failed:", file=sys.stderr)
+        for error in (batch.get("errors") or {}).get("data", []):
+            where = f"line {error['line']}: " if error.get("line") else ""
+            print(f"  {where}{error.get('code')}: {error.get('message')}", file=sys.stderr)
+        return 1
     output = client.content(batch["output_file_id"]) if batch["output_file_id"] else b""
     errors = client.content(batch["error_file_id"]) if batch["error_file_id"] else b""
-    if args.errors is not None:
-        args.output.write_bytes(output)
-        args.errors.write_bytes(errors)
-    else:
-        args.output.write_bytes(output + errors)
+    try:
+        if args.errors is not None:
+            args.output.write_bytes(output)
+            args.errors.write_bytes(errors)
+        else:
+            args.output.write_bytes(output + errors)
+    except OSError as exc:
+        print(f"tiergate batch: cannot write the results: {exc}", file=sys.stderr)
+        return 1
     num_output = output.count(b"\n")
     num_errors = errors.count(b"\n")
     print(

@@ -29,11 +29,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not hasattr(args, "func"):
         parser.print_help()
         return 2
+    from gateway.observability.config import TelemetryConfigError
+
     try:
         return int(args.func(args) or 0)
-    except (SettingsError, GatewayError) as exc:
+    except (SettingsError, GatewayError, TelemetryConfigError) as exc:
         print(f"tiergate: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130  # the shell's code for SIGINT; nothing to add to the ^C
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -103,7 +107,7 @@ def _parser() -> argparse.ArgumentParser:
     worker.add_argument("--worker-id", help="worker name (default host-pid-random)")
     worker.add_argument(
         "--lease-ms",
-        type=int,
+        type=_lease_ms,
         default=10_000,
         help="a job whose worker stops heartbeating returns to the queue after this",
     )
@@ -138,6 +142,20 @@ def _parser() -> argparse.ArgumentParser:
     add_batch_parser(commands)
     add_simulate_parser(commands)
     return parser
+
+
+def _lease_ms(raw: str) -> int:
+    """A lease of at least MIN_LEASE_MS: a worker heartbeats it four times per lease."""
+    try:
+        value = int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not an integer") from None
+    if value < MIN_LEASE_MS:
+        raise argparse.ArgumentTypeError(f"a lease must be at least {MIN_LEASE_MS} ms")
+    return value
+
+
+MIN_LEASE_MS = 200
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -221,8 +239,8 @@ def _migrate(args: argparse.Namespace) -> int:
     from gateway.migrate import upgrade_to_head
 
     settings = settings_from_args(args)
-    if settings.is_embedded_db:
-        settings.data_dir.mkdir(parents=True, exist_ok=True)
+    _prepare_data_dir(settings)
+    asyncio.run(_reach_database(settings))
     upgrade_to_head(settings.db_url)
     print(f"database is at the newest revision: {_redacted(settings.db_url)}")
     return 0
@@ -235,6 +253,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     _configure_logging()
     settings = settings_from_args(args)
+    _preflight(settings)
     if args.demo:
         generated = settings.admin_token is None
         if generated:
@@ -254,6 +273,7 @@ def _gateway(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     if not settings.redis_url:
         raise SettingsError("tiergate gateway needs TIERGATE_REDIS_URL (or --redis-url)")
+    _preflight(settings)
     app = build_app(settings, with_engine=False, prepare_heap=True)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", access_log=False)
     return 0
@@ -270,6 +290,8 @@ def _worker(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     if not settings.redis_url:
         raise SettingsError("tiergate worker needs TIERGATE_REDIS_URL (or --redis-url)")
+    _check_model(settings)
+    asyncio.run(_reach_redis(settings))
     heartbeat_ms = max(50, min(1_000, args.lease_ms // 4))
     config = DispatcherConfig(
         lease_ms=args.lease_ms,
@@ -293,13 +315,80 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _preflight(settings: Settings) -> None:
+    """What would otherwise fail inside the server's start-up, with a traceback, as one
+    clear message: the model, the data directory, the database and Redis."""
+    _check_model(settings)
+    _prepare_data_dir(settings)
+
+    async def reach() -> None:
+        await _reach_database(settings)
+        await _reach_redis(settings)
+
+    asyncio.run(reach())
+
+
+def _check_model(settings: Settings) -> None:
+    if settings.model != "tiny-random" and not Path(settings.model).is_dir():
+        raise SettingsError(
+            f"model {settings.model!r} is neither tiny-random nor a checkpoint directory"
+        )
+
+
+def _prepare_data_dir(settings: Settings) -> None:
+    if not settings.is_embedded_db:
+        return
+    try:
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SettingsError(f"cannot use data directory {settings.data_dir}: {exc}") from None
+
+
+REACH_TIMEOUT_S = 5.0
+
+
+async def _reach_database(settings: Settings) -> None:
+    from sqlalchemy import text
+
+    from gateway.db.session import create_db_engine
+
+    engine = create_db_engine(settings.db_url)
+    try:
+        async with asyncio.timeout(REACH_TIMEOUT_S), engine.connect() as connection:
+            await connection.execute(text("SELECT 1"))
+    except Exception as exc:
+        raise SettingsError(
+            f"cannot reach the database at {_redacted(settings.db_url)}: {_reason(exc)}"
+        ) from None
+    finally:
+        await engine.dispose()
+
+
+async def _reach_redis(settings: Settings) -> None:
+    if not settings.redis_url:
+        return
+    from gateway.queue_setup import redis_client
+
+    client = redis_client(settings.redis_url)
+    try:
+        async with asyncio.timeout(REACH_TIMEOUT_S):
+            await client.ping()
+    except Exception as exc:
+        raise SettingsError(f"cannot reach Redis at {settings.redis_url}: {_reason(exc)}") from None
+    finally:
+        await client.aclose()
+
+
+def _reason(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__
+
+
 async def _demo_tenants(settings: Settings) -> list:
     from gateway.db.session import create_db_engine, create_sessionmaker
     from gateway.demo import ensure_demo_tenants
     from gateway.migrate import upgrade_to_head
 
-    if settings.is_embedded_db:
-        settings.data_dir.mkdir(parents=True, exist_ok=True)
+    _prepare_data_dir(settings)
     await asyncio.to_thread(upgrade_to_head, settings.db_url)
     db_engine = create_db_engine(settings.db_url)
     try:
@@ -309,7 +398,8 @@ async def _demo_tenants(settings: Settings) -> list:
 
 
 def _demo_banner(settings: Settings, tenants: list, generated_token: bool) -> str:
-    base_url = f"http://{settings.host}:{settings.port}"
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host  # IPv6
+    base_url = f"http://{host}:{settings.port}"
     model = settings.model
     key = tenants[0].api_key if tenants else "tg-..."
     for tenant in tenants:
@@ -336,15 +426,16 @@ def _demo_banner(settings: Settings, tenants: list, generated_token: bool) -> st
         f"    -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' \\",
         f"    -d {shlex.quote(body)}",
         "",
-        "Or with the openai client:",
-        "  python - <<'EOF'",
-        "  from openai import OpenAI",
-        f'  client = OpenAI(base_url="{base_url}/v1", api_key="{key}")',
-        "  reply = client.chat.completions.create(",
-        f'      model="{model}", messages=[{{"role": "user", "content": "Hello"}}], max_tokens=16',
-        "  )",
-        "  print(reply.choices[0].message.content, reply.usage)",
-        "  EOF",
+        "Or with the openai client (paste the lines as they are: Python and the heredoc",
+        "end take no indent):",
+        "python - <<'EOF'",
+        "from openai import OpenAI",
+        f'client = OpenAI(base_url="{base_url}/v1", api_key="{key}")',
+        "reply = client.chat.completions.create(",
+        f'    model="{model}", messages=[{{"role": "user", "content": "Hello"}}], max_tokens=16',
+        ")",
+        "print(reply.choices[0].message.content, reply.usage)",
+        "EOF",
         "",
     ]
     return "\n".join(lines)

@@ -6,6 +6,7 @@ nothing reads the environment on its own.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
@@ -56,6 +57,21 @@ class Settings:
             raise SettingsError(f"port must be in 1..65535, not {self.port}")
         if self.max_body_bytes < 1024:
             raise SettingsError("max_body_bytes must be at least 1024")
+        for name in ("kv_cache_bytes", "max_model_len", "max_num_seqs"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise SettingsError(f"{name} must be at least 1 (or unset), not {value}")
+        for name in ("max_file_bytes", "batch_max_input_bytes", "batch_max_lines"):
+            if getattr(self, name) < 1:
+                raise SettingsError(f"{name} must be at least 1, not {getattr(self, name)}")
+        if not (math.isfinite(self.batch_lease_s) and self.batch_lease_s > 0):
+            raise SettingsError(
+                f"batch_lease_s must be a positive number, not {self.batch_lease_s}"
+            )
+        if self.database_url:
+            _check_database_url(self.database_url)
+        if self.redis_url:
+            _check_redis_url(self.redis_url)
 
     @property
     def db_url(self) -> str:
@@ -73,6 +89,36 @@ class Settings:
         known = {f.name for f in fields(self)}
         chosen = {k: v for k, v in values.items() if v is not None and k in known}
         return replace(self, **chosen)
+
+
+# The async drivers the gateway runs on; a URL naming another fails only at first use.
+_DATABASE_DRIVERS = {"sqlite": "aiosqlite", "postgresql": "asyncpg"}
+
+
+def _check_database_url(url: str) -> None:
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        raise SettingsError(
+            f"database_url {url!r} is not a database URL; use sqlite+aiosqlite:///PATH or "
+            "postgresql+asyncpg://USER@HOST/DB"
+        ) from None
+    backend, driver = parsed.get_backend_name(), parsed.get_driver_name()
+    if _DATABASE_DRIVERS.get(backend) != driver:
+        raise SettingsError(
+            f"database_url must use sqlite+aiosqlite or postgresql+asyncpg, not {backend}+{driver}"
+        )
+
+
+def _check_redis_url(url: str) -> None:
+    if url.split("://", 1)[0] not in ("redis", "rediss", "unix") or "://" not in url:
+        raise SettingsError(
+            f"redis_url {url!r} is not a Redis URL; use redis://HOST:PORT/DB (rediss:// for "
+            "TLS, unix:// for a socket)"
+        )
 
 
 # variable -> (field, parser). The one list of what the environment may set.

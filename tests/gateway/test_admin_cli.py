@@ -124,3 +124,33 @@ def test_admin_cli_refusals(server_url: str, capsys) -> None:
     code, _, err = _run(capsys, server_url, "tiers", "list", token="")
     assert code == 2
     assert "TIERGATE_ADMIN_TOKEN" in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("tiers", "create", "x", "--rank", "1", "--ttft-slo-ms", "nan"),
+        ("tiers", "create", "x", "--rank", "1", "--price-input-per-mtok", "inf"),
+        ("tenants", "create", "x", "--tier", "batch", "--weight", "nan"),
+        ("tenants", "create", "x", "--tier", "batch", "--rpm", "abc"),
+        ("tiers", "list", "--timeout-s", "-1"),
+    ],
+)
+def test_bad_flag_values_are_usage_errors(server_url: str, capsys, argv) -> None:
+    """Refused by the CLI with argparse's exit status 2 and a message naming the value,
+    not a traceback after the request was built."""
+    with pytest.raises(SystemExit) as exited:
+        _run(capsys, server_url, *argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "_int_or_none" not in err
+
+
+def test_empty_ids_and_foreign_tokens_are_refused_plainly(server_url: str, capsys) -> None:
+    code, _, err = _run(capsys, server_url, "tiers", "get", "")
+    assert code == 2
+    assert "may not be empty" in err
+    code, _, err = _run(capsys, server_url, "tiers", "list", token="tøken")
+    assert code == 2
+    assert "ASCII" in err

@@ -115,3 +115,26 @@ def test_progress_line() -> None:
     assert "3.0 req/s" in line
     assert "ETA 0:00:09" in line
     assert "ETA --:--:--" in progress_line("validating", 0, 0, 0, 1.0, 0)
+
+
+def test_results_of_a_failed_batch_say_why_and_exit_1(
+    live_server: LiveServer, tmp_path: Path, capsys
+) -> None:
+    flags = ["--url", live_server.base_url, "--api-key", _key(live_server)]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    assert main(["batch", "submit", str(bad), "--wait", "--poll-s", "0.1", *flags]) == 1
+    batch_id = json.loads(capsys.readouterr().out)["id"]
+    out = tmp_path / "out.jsonl"
+    assert main(["batch", "results", batch_id, "-o", str(out), *flags]) == 1
+    err = capsys.readouterr().err
+    assert "failed" in err
+    assert "line 1: invalid_json_line" in err
+    # Writing to a folder that is not there: a message, not a traceback.
+    good = _input(tmp_path, 1)
+    submit = ["batch", "submit", str(good), "--endpoint", "/v1/completions", "--wait"]
+    assert main([*submit, "--poll-s", "0.1", *flags]) == 0
+    batch_id = json.loads(capsys.readouterr().out)["id"]
+    missing = tmp_path / "no" / "such" / "dir.jsonl"
+    assert main(["batch", "results", batch_id, "-o", str(missing), *flags]) == 1
+    assert "cannot write the results" in capsys.readouterr().err

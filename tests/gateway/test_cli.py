@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import subprocess
@@ -63,7 +64,21 @@ def test_settings_defaults_env_and_flags(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "env",
-    [{"TIERGATE_PORT": "eighty"}, {"TIERGATE_PORT": "70000"}, {"TIERGATE_DEVICE": "tpu"}],
+    [
+        {"TIERGATE_PORT": "eighty"},
+        {"TIERGATE_PORT": "70000"},
+        {"TIERGATE_DEVICE": "tpu"},
+        {"TIERGATE_DATABASE_URL": "garbage"},
+        {"TIERGATE_DATABASE_URL": "sqlite:///no-async-driver.db"},
+        {"TIERGATE_REDIS_URL": "notaurl"},
+        {"TIERGATE_MAX_MODEL_LEN": "0"},
+        {"TIERGATE_KV_CACHE_BYTES": "-5"},
+        {"TIERGATE_MAX_NUM_SEQS": "0"},
+        {"TIERGATE_BATCH_MAX_LINES": "0"},
+        {"TIERGATE_MAX_FILE_BYTES": "-5"},
+        {"TIERGATE_BATCH_LEASE_S": "nan"},
+        {"TIERGATE_BATCH_LEASE_S": "-1"},
+    ],
 )
 def test_bad_settings_are_reported(env: dict[str, str]) -> None:
     with pytest.raises(SettingsError):
@@ -95,11 +110,15 @@ def test_serve_has_a_flag_for_every_setting_of_the_environment(tmp_path: Path) -
     from gateway.settings import _ENV
 
     sample = {int: "4096", float: "2.5", Path: str(tmp_path), str: "cpu"}
+    urls = {
+        "database_url": f"sqlite+aiosqlite:///{tmp_path}/t.db",
+        "redis_url": "redis://127.0.0.1:6379/3",
+    }
     argv = ["serve"]
     expected = {}
     for var, (name, parse) in _ENV.items():
         flag = "--" + var.removeprefix("TIERGATE_").lower().replace("_", "-")
-        raw = sample[parse]
+        raw = urls.get(name, sample[parse])
         argv += [flag, raw]
         expected[name] = parse(raw)
     settings = settings_from_args(_parser().parse_args(argv))
@@ -166,9 +185,53 @@ def test_serve_demo_prints_working_keys(tmp_path: Path) -> None:
         )
         assert reply.service_tier == "batch"
         assert reply.usage.completion_tokens >= 1
+        # The printed examples run as printed, pasted into a shell.
+        for start, end in (("curl ", "}'\n"), ("python - <<'EOF'", "\nEOF\n")):
+            snippet = output[output.index(start) : output.index(end, output.index(start))]
+            snippet += end
+            shell_env = {**os.environ, "PATH": os.path.dirname(sys.executable) + ":/usr/bin:/bin"}
+            ran = subprocess.run(
+                ["bash", "-c", snippet], capture_output=True, text=True, timeout=60, env=shell_env
+            )
+            assert ran.returncode == 0, (snippet, ran.stdout, ran.stderr)
+            assert "completion_tokens" in ran.stdout or '"choices"' in ran.stdout, ran.stdout
     finally:
         proc.terminate()
         proc.wait(timeout=30)
         if proc.stdout is not None:
             proc.stdout.close()
     assert (tmp_path / "tiergate.db").is_file()
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (
+            ["migrate"],
+            {"TIERGATE_DATABASE_URL": "postgresql+asyncpg://u@127.0.0.1:1/x"},
+            "cannot reach the database",
+        ),
+        (["serve"], {"TIERGATE_REDIS_URL": "redis://127.0.0.1:1/0"}, "cannot reach Redis"),
+        (["serve", "--model", "/nonexistent"], {}, "checkpoint directory"),
+        (["worker", "--redis-url", "redis://127.0.0.1:1/0"], {}, "cannot reach Redis"),
+        (["serve"], {"TIERGATE_METRICS_TOP_TENANTS": "abc"}, "TIERGATE_METRICS_TOP_TENANTS"),
+    ],
+    ids=["database", "redis", "model", "worker-redis", "telemetry"],
+)
+def test_what_would_fail_at_start_up_is_one_message(
+    tmp_path: Path, argv: list[str], env: dict[str, str], message: str
+) -> None:
+    """Checked before the server starts: exit status 2 and one line, not a traceback."""
+    ran = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", *argv, "--data-dir", str(tmp_path)]
+        if argv[0] != "worker"
+        else [sys.executable, "-m", "gateway.cli", *argv],
+        cwd=ROOT,
+        env={"PATH": "/usr/bin:/bin", "TIERGATE_DEVICE": "cpu", **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert ran.returncode == 2, ran.stderr[-2000:]
+    assert message in ran.stderr
+    assert "Traceback" not in ran.stderr
