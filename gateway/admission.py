@@ -63,8 +63,9 @@ def tier_config(tier: TierPolicy) -> TierConfig:
 
 
 def unavailable(exc: BackendUnavailableError) -> ServiceUnavailableError:
+    # The cause goes with the message: "unreachable" alone leaves an operator guessing.
     return ServiceUnavailableError(
-        "The request queue is unreachable; retry shortly.", code="queue_unavailable"
+        f"The request queue is unreachable ({exc}); retry shortly.", code="queue_unavailable"
     )
 
 

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis import exceptions as redis_errors
+from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from scheduler.backend import QueueBackend
 from scheduler.keys import KeySpace
@@ -59,14 +60,23 @@ class QueueSetup:
             await self.channel.aclose()
 
 
-def redis_client(url: str) -> aioredis.Redis:
-    """A client that gives up quickly when Redis is unreachable."""
+def redis_client(url: str, *, retry_dead_connection: bool = False) -> aioredis.Redis:
+    """A client that gives up quickly when Redis is unreachable.
+
+    With `retry_dead_connection`, a command that finds its pooled connection closed
+    (Redis restarted since it was last used) is sent once more on a fresh connection
+    instead of failing a request. Only for a client that sends no script: everything
+    else the queue sends through redis-py is a read or a write that may be repeated.
+    """
+    retry = Retry(NoBackoff(), 0)
+    if retry_dead_connection:
+        retry = Retry(NoBackoff(), 1, supported_errors=(redis_errors.ConnectionError,))
     return aioredis.Redis.from_url(
         url,
         decode_responses=True,
         socket_timeout=SOCKET_TIMEOUT_S,
         socket_connect_timeout=CONNECT_TIMEOUT_S,
-        retry=Retry(NoBackoff(), 0),
+        retry=retry,
         health_check_interval=0,
         max_connections=MAX_CONNECTIONS,
     )
@@ -80,6 +90,9 @@ def build_queue(redis_url: str | None, redis_prefix: str) -> QueueSetup:
     keys = KeySpace(redis_prefix)
     # The request path's script calls, queue and limits alike, share one connection.
     channel = ScriptChannel.for_client(client)
+    if channel is not None:
+        # The scripts go over the channel: redis-py is left with what may be repeated.
+        client = redis_client(redis_url, retry_dead_connection=True)
     return QueueSetup(
         RedisBackend(client, keys=keys, channel=channel),
         RedisRateLimiter(client, keys=keys, channel=channel),

@@ -16,6 +16,7 @@ queue backlogged, not more), one torch thread per worker, short requests.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import itertools
 import json
@@ -847,3 +848,9 @@ def test_redis_outage_is_a_quick_503_and_service_resumes_by_itself(lone_server) 
     took_s = _until(lambda: replies.append(complete().status_code) or replies[-1] == 200, 15.0)
     assert set(replies) <= {200, 503}, replies
     print(f"served again {took_s * 1000:.0f} ms after Redis came back; replies {replies}")
+    # Once served again, served for good: the connections pooled before the outage are
+    # checked before use, not each failing one request.
+    for _ in range(3):
+        with concurrent.futures.ThreadPoolExecutor(10) as pool:
+            burst = list(pool.map(lambda _: complete(), range(10)))
+        assert [r.status_code for r in burst] == [200] * 10, [r.text[:300] for r in burst]
