@@ -13,6 +13,7 @@ The scheduler's refusals become the gateway's typed errors here, with the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -69,6 +70,13 @@ def unavailable(exc: BackendUnavailableError) -> ServiceUnavailableError:
     )
 
 
+# A request's concurrency slot lapses this long after its gateway last renewed it, and
+# the gateway renews the slots of its running requests every RENEW_EVERY_S: a gateway
+# that dies takes its tenants' slots away for at most HOLD_MS, not for the limiter's
+# ten-minute default.
+HOLD_MS = 30_000
+RENEW_EVERY_S = 10.0
+
 # Workers report their capacity once per heartbeat (1 s), so reading it again for every
 # request (three Redis round trips) bought nothing; a value this young is as fresh.
 CAPACITY_MAX_AGE_MS = 100.0
@@ -105,8 +113,16 @@ class Admission:
         queue_timeout_grace_ms: float = 250.0,
         on_unknown_tier: Callable[[], Awaitable[None]] | None = None,
         capacity_max_age_ms: float = CAPACITY_MAX_AGE_MS,
+        hold_ms: int = HOLD_MS,
+        renew_every_s: float = RENEW_EVERY_S,
     ) -> None:
+        if not 0 < renew_every_s * 1000 < hold_ms:
+            raise ValueError("reservations must be renewed more often than they lapse")
         self._limiter = limiter
+        self._hold_ms = hold_ms
+        self._renew_every_s = renew_every_s
+        self._held: dict[str, Reservation] = {}  # id -> reservation of a running request
+        self._renewer: asyncio.Task[None] | None = None
         self._capacity = RecentCapacity(jobs.backend, capacity_max_age_ms)
         self._on_unknown_tier = on_unknown_tier
         self._jobs = jobs
@@ -131,7 +147,11 @@ class Admission:
         )
         num_tokens = job.num_prompt_tokens + job.params.max_tokens
         try:
-            return await self._limiter.reserve(principal.tenant_id, limits, num_tokens)
+            reservation = await self._limiter.reserve(
+                principal.tenant_id, limits, num_tokens, hold_ms=self._hold_ms
+            )
+            self._hold(reservation)
+            return reservation
         except RequestExceedsLimitError as exc:
             room = (principal.tpm or 0) - job.num_prompt_tokens
             if room < 1:
@@ -251,11 +271,26 @@ class Admission:
             str(exc), code="queue_timeout", retry_after_s=retry_s, headers=headers
         )
 
+    def _hold(self, reservation: Reservation) -> None:
+        self._held[reservation.reservation_id] = reservation
+        if self._renewer is None or self._renewer.done():
+            self._renewer = asyncio.create_task(self._renew(), name="rate-limit-renewer")
+
+    async def _renew(self) -> None:
+        """Keep the slots of this gateway's running requests from lapsing."""
+        while self._held:
+            await asyncio.sleep(self._renew_every_s)
+            try:
+                await self._limiter.renew(list(self._held.values()), self._hold_ms)
+            except Exception as exc:  # Redis away: the next round tries again
+                log.warning("could not renew %d rate limit reservations: %r", len(self._held), exc)
+
     def release_soon(self, reservation: Reservation | None, num_used_tokens: int) -> None:
         """Refund the unused tokens and free the concurrency slot, in the background (the
         request has answered already). A lost release lapses after the hold time."""
         if reservation is None:
             return
+        self._held.pop(reservation.reservation_id, None)
         task = asyncio.create_task(self._release(reservation, num_used_tokens))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
@@ -267,5 +302,9 @@ class Admission:
             log.warning("could not release a rate limit reservation: %r", exc)
 
     async def aclose(self) -> None:
+        if self._renewer is not None:
+            self._renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._renewer
         if self._releases:
             await asyncio.gather(*self._releases, return_exceptions=True)

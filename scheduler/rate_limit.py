@@ -8,14 +8,16 @@ memory limiter runs each decision without yielding, the Redis one in one Lua scr
 Levels are integers in 1/60000 of a token (or request), so a limit of L per minute refills
 exactly L units per ms and the wait reported in a refusal is exact: retrying after
 `retry_after_ms` passes (absent other traffic), retrying 1 ms earlier does not.
-A reservation lapses after `hold_ms` so a crashed gateway cannot leak concurrency.
+A reservation lapses after `hold_ms` so a crashed gateway cannot leak concurrency; a
+gateway `renew`s the reservations of its running requests, so a short hold bounds what a
+crash leaks without cutting a long request's slot.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -212,6 +214,19 @@ class MemoryRateLimiter:
         b.inflight[rid] = now + hold_ms
         return Reservation(rid, tenant_id, num_tokens, limits, _status(limits, b.req, b.tok))
 
+    async def renew(self, reservations: Sequence[Reservation], hold_ms: int) -> int:
+        """Hold the slots of `reservations` for `hold_ms` from now; how many were still
+        held (a lapsed or released one is not brought back)."""
+        now = self._clock_ms()
+        renewed = 0
+        for reservation in reservations:
+            b = self._buckets.get(reservation.tenant_id)
+            until = None if b is None else b.inflight.get(reservation.reservation_id)
+            if b is not None and until is not None and until > now:
+                b.inflight[reservation.reservation_id] = now + hold_ms
+                renewed += 1
+        return renewed
+
     async def release(self, reservation: Reservation, num_used_tokens: int) -> bool:
         """Free the concurrency slot and refund unused tokens; False if already released."""
         b = self._buckets.get(reservation.tenant_id)
@@ -251,6 +266,17 @@ class RedisRateLimiter:
         self._release = client.register_script(
             load_script_source("rate_release", with_queue_lib=False)
         )
+        self._renew = client.register_script(load_script_source("rate_renew", with_queue_lib=False))
+
+    async def renew(self, reservations: Sequence[Reservation], hold_ms: int) -> int:
+        """As MemoryRateLimiter.renew, in one script call (rate_renew.lua)."""
+        if not reservations:
+            return 0
+        args: list[object] = [self._keys.prefix, self._clock_ms(), hold_ms]
+        for reservation in reservations:
+            args += [reservation.tenant_id, reservation.reservation_id]
+        with unavailable_as_error():
+            return int(await run_script(self._renew, self._channel, args))
 
     async def reserve(
         self,

@@ -119,3 +119,24 @@ def test_duration_format() -> None:
 def test_limits_are_validated() -> None:
     with pytest.raises(ValueError, match="rpm"):
         TenantLimits(rpm=0)
+
+
+async def test_renewed_slots_stay_held_and_the_others_lapse(limiter, clock) -> None:
+    """A gateway renews the slots of its running requests; a slot nobody renews (its
+    gateway died) comes free after its hold, and a released one is not brought back."""
+    limits = TenantLimits(max_concurrency=2)
+    kept = await limiter.reserve("t", limits, 1, hold_ms=1_000)
+    orphan = await limiter.reserve("t", limits, 1, hold_ms=1_000)
+    with pytest.raises(RateLimitExceededError):
+        await limiter.reserve("t", limits, 1, hold_ms=1_000)
+    for _ in range(3):  # renewed every 600 ms, well past the first hold
+        clock.advance(600)
+        assert await limiter.renew([kept], 1_000) == 1
+    # The orphan lapsed (its hold ended 800 ms ago); the kept one still holds its slot.
+    assert await limiter.renew([orphan], 1_000) == 0
+    again = await limiter.reserve("t", limits, 1, hold_ms=1_000)
+    with pytest.raises(RateLimitExceededError):
+        await limiter.reserve("t", limits, 1, hold_ms=1_000)
+    assert await limiter.release(kept, 1)
+    assert await limiter.renew([kept, again], 1_000) == 1  # the released one stays released
+    assert await limiter.renew([], 1_000) == 0
