@@ -91,7 +91,7 @@ class LineRunner:
         try:
             job = await self._admit(request_id, principal, tier, body_json, deadline_s, chat=chat)
         except (GatewayError, EngineError) as exc:
-            self._usage.record(record.finish(f"rejected:{error_code(exc)}"))
+            self._finished(record.finish(f"rejected:{error_code(exc)}"))
             return error_outcome(request_id, exc)
         record.prompt_tokens = job.num_prompt_tokens
         stream = self._jobs.submit(job)
@@ -107,12 +107,12 @@ class LineRunner:
                 if output.finished and output.finish_reason is not None:
                     finish_reason = str(output.finish_reason)
         except (RequestAbortedError, EngineDeadError):
-            self._usage.record(record.finish("aborted", stream.queue_wait_ms))
+            self._finished(record.finish("aborted", stream.queue_wait_ms))
             raise
         except (GatewayError, EngineError) as exc:
-            self._usage.record(record.finish("error", stream.queue_wait_ms))
+            self._finished(record.finish("error", stream.queue_wait_ms))
             return error_outcome(request_id, exc)
-        self._usage.record(record.finish("ok", stream.queue_wait_ms))
+        self._finished(record.finish("ok", stream.queue_wait_ms))
         shape = ResponseShape.for_request(
             request_id, model=self.model_name, service_tier=tier.name, chat=chat
         )
@@ -124,6 +124,14 @@ class LineRunner:
             record.prompt_tokens,
             record.completion_tokens,
         )
+
+    def _finished(self, record: UsageRecord) -> None:
+        """Leave the usage record, and count the line in the metrics and the dashboard
+        like a live request of its tier (batch work shows next to what it shares with)."""
+        self._usage.record(record)
+        telemetry = self._routes.deps.telemetry
+        if telemetry is not None:
+            telemetry.request_finished(record)
 
     def cancel(self, request_id: str) -> Any:
         """Drop a queued line or abort a running one (its run raises RequestAbortedError)."""

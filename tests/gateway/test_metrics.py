@@ -276,3 +276,34 @@ def test_a_gateway_without_an_engine_shows_the_workers_reports(
 class LiveServerUrl:
     def __init__(self, base_url: str) -> None:
         self.base_url = base_url
+
+
+def test_batch_lines_are_counted_at_their_tier(live_server: LiveServer) -> None:
+    """Batch API work shows in the metrics next to the live traffic it shares with."""
+    import json
+    import time
+
+    tenant = live_server.tenant_ids["batch"]
+    client = live_server.client(live_server.keys["batch"])
+    before = scrape(live_server)
+    line = {
+        "method": "POST",
+        "url": "/v1/completions",
+        "body": {"model": MODEL, "prompt": "row", "max_tokens": 3, "temperature": 0},
+    }
+    content = "".join(json.dumps({**line, "custom_id": f"r{i}"}) + "\n" for i in range(3))
+    uploaded = client.files.create(file=("rows.jsonl", content.encode()), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h"
+    )
+    deadline = time.monotonic() + 60
+    while client.batches.retrieve(batch.id).status != "completed":
+        assert time.monotonic() < deadline, "the batch did not complete"
+        time.sleep(0.1)
+    after = scrape(live_server)
+    ok = dict(tier="batch", tenant=tenant, outcome="ok")
+    assert (
+        value(after, "tiergate_requests_total", **ok)
+        - value(before, "tiergate_requests_total", **ok)
+        == 3
+    )
