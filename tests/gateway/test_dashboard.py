@@ -233,8 +233,8 @@ def test_dashboard_shows_live_data_and_edits_a_tier(
 
         # The change takes effect: new interactive requests now miss their SLO (served
         # late, or refused up front as unattainable), which the dashboard shows.
-        met_before = browser.evaluate(_met_total("interactive"))
         time.sleep(1.5)  # telemetry re-reads the tier SLOs every second
+        met_before = browser.evaluate(_met_total("interactive"))
         requests_before = browser.evaluate(_requests_total("interactive"))
         try:
             browser.wait_for(f"{_requests_total('interactive')} >= {requests_before} + 4", 30)
