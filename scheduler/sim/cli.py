@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import sys
 import time
@@ -36,13 +37,37 @@ from scheduler.sim.workload import WorkloadError, three_tier_mix
 DEFAULT_PRESET = "h200-llama-3.1-8b"
 
 
+# Arrivals one `run` may offer: an hour at 1,000 requests/s is 3.6 M; a typo's 10^9
+# requests/s would otherwise generate arrivals until memory runs out.
+MAX_OFFERED_REQUESTS = 50_000_000
+
+
+def _number(text: str, *, allow_zero: bool) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        kind = "a finite number >= 0" if allow_zero else "a finite number > 0"
+        raise argparse.ArgumentTypeError(f"{text!r} is not {kind}")
+    return value
+
+
+def positive(text: str) -> float:
+    return _number(text, allow_zero=False)
+
+
+def non_negative(text: str) -> float:
+    return _number(text, allow_zero=True)
+
+
 def _floats(text: str) -> tuple[float, ...]:
     try:
         values = tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"expected numbers separated by commas: {text!r}") from exc
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError("expected positive numbers")
+    if not values or any(not (math.isfinite(v) and v > 0) for v in values):
+        raise argparse.ArgumentTypeError("expected positive finite numbers")
     return values
 
 
@@ -73,15 +98,15 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
             "--preset", default=DEFAULT_PRESET, help=f"one of {', '.join(PRESETS)}, or a JSON file"
         )
         p.add_argument("--engines", type=int, default=1, help="number of simulated engines")
-        p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
+        p.add_argument("--duration", type=positive, default=60.0, help="seconds of arrivals")
         p.add_argument("--seed", type=int, default=0)
 
     one = sub.add_parser("run", help="one policy, one load, per-tier numbers")
     common(one)
     one.add_argument("--policy", choices=POLICIES, default="tiered")
-    one.add_argument("--rate", type=float, required=True, help="offered requests per second")
+    one.add_argument("--rate", type=positive, required=True, help="offered requests per second")
     one.add_argument(
-        "--drain", type=float, default=120.0, help="seconds to run after arrivals stop"
+        "--drain", type=non_negative, default=120.0, help="seconds to run after arrivals stop"
     )
     one.add_argument("--json", action="store_true", help="print JSON instead of a table")
     one.add_argument(
@@ -97,11 +122,11 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     rep.add_argument("--policies", type=_names(POLICIES), default=POLICIES)
     rep.add_argument("--suites", type=_names(SUITES), default=SUITES)
-    rep.add_argument("--suite-duration", type=float, default=40.0)
+    rep.add_argument("--suite-duration", type=positive, default=40.0)
     rep.add_argument(
-        "--capacity", type=float, default=None, help="1.0x in requests/s (skips the search)"
+        "--capacity", type=positive, default=None, help="1.0x in requests/s (skips the search)"
     )
-    rep.add_argument("--drain", type=float, default=120.0)
+    rep.add_argument("--drain", type=non_negative, default=120.0)
     rep.add_argument("--out", type=Path, default=Path("sim-report"))
     rep.add_argument("--no-plots", action="store_true")
 
@@ -134,6 +159,13 @@ def run(args: argparse.Namespace) -> int:
         if args.simulate_command == "calibrate":
             return _calibrate(args)
         if args.simulate_command == "run":
+            if args.rate * args.duration > MAX_OFFERED_REQUESTS:
+                print(
+                    f"error: --rate x --duration offers {args.rate * args.duration:.3g} "
+                    f"requests; a run takes at most {MAX_OFFERED_REQUESTS:,}",
+                    file=sys.stderr,
+                )
+                return 2
             return _run_one(args)
         if args.simulate_command == "report":
             return _report(args)
