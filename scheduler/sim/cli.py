@@ -281,7 +281,7 @@ def _report(args: argparse.Namespace) -> int:
     ).strip()
     paths = write_report(experiment, args.out, command=command, plots=not args.no_plots)
     for target in experiment.targets:
-        print(f"target {target.number}: {'pass' if target.passed else 'FAIL'}  {target.value}")
+        print(f"target {target.number}: {target.verdict}  {target.value}")
     print(f"wrote {', '.join(str(p) for p in paths)} in {time.perf_counter() - started:.0f} s")
     return 0
 

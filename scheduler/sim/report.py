@@ -88,7 +88,7 @@ def render_markdown(experiment: Experiment, *, command: str = "") -> str:
             "|---|---|---|---|---|",
         ]
         for t in experiment.targets:
-            verdict = "**pass**" if t.passed else "**FAIL**"
+            verdict = f"**{t.verdict}**"
             lines.append(f"| {t.number} | {t.name} | {t.value} | {t.threshold} | {verdict} |")
     lines += [
         "",

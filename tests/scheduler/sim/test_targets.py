@@ -187,3 +187,16 @@ def test_target_3_at_fcfs_capacity() -> None:
     assert not _target(_experiment(tiered=weak), 3).passed
     weak = {load: _run(priority=0.985) for load in LOADS}
     assert not _target(_experiment(tiered=weak), 3).passed
+
+
+def test_targets_with_nothing_to_judge_by_are_not_passed() -> None:
+    """No suites ran (target 1 is then absent, not passed by default), and an "overload"
+    where FCFS misses nothing gives target 5 nothing to be 10x fewer than: n/a."""
+    experiment = _experiment()  # FCFS meets every SLO at every load, no suites
+    assert all(t.number != 1 for t in evaluate(experiment))
+    target = _target(experiment, 5)
+    assert not target.measured
+    assert target.verdict == "n/a"
+    collapsed = {load: _run(0.0, 0.0, batch_met=0.0) for load in LOADS}
+    measured = _target(_experiment(fcfs=collapsed), 5)
+    assert (measured.measured, measured.verdict) == (True, "pass")
