@@ -88,10 +88,14 @@ def job_service_ms(
     capacity."""
     if capacity.num_workers == 0 or capacity.prefill_tokens_per_s <= 0:
         return None
-    decode_s = 0.0
-    if capacity.decode_tokens_per_s > 0:
-        decode_s = config.decode_ahead_fraction * max_tokens / capacity.decode_tokens_per_s
-    return 1000.0 * (num_prompt_tokens / capacity.prefill_tokens_per_s + decode_s)
+    # The TTFT model's own arithmetic, with that one job as all the work and none held.
+    budget = SloBudget(
+        ttft_slo_ms=math.inf,
+        prefill_tokens_per_s=capacity.prefill_tokens_per_s,
+        decode_tokens_per_s=capacity.decode_tokens_per_s,
+        decode_ahead_fraction=config.decode_ahead_fraction,
+    )
+    return budget.predict_ms(WorkAhead(num_prompt_tokens, max_tokens), 0)
 
 
 def predict_ttft_ms(
