@@ -248,7 +248,10 @@ PROBE_TTFT_SLO_MS = 5000.0
 PROBE_PERIOD_S = 0.5
 # Probes go on (and the flood with them) until the window closed and this many were
 # made: a fast fleet closes the window in fewer probe periods.
-MIN_PROBES = 10
+MIN_PROBES = 10  # probes sent while batch work was queued around them
+# A client stalled on a shared CPU can let the batch queue run dry for a moment; a probe
+# sent then proves nothing, and more are sent, up to this many in all.
+MAX_PROBES = 40
 
 
 # Clients here open a connection per request: a kept-alive connection that sat idle
@@ -271,6 +274,11 @@ class Probe:
     served: Served
     batch_queued_at_send: int  # batch jobs queued when the probe was sent
     batch_queued_at_first: int  # and when its first token arrived
+
+    @property
+    def is_flooded(self) -> bool:
+        """Batch work was queued from its send to its first token: it overtook a flood."""
+        return min(self.batch_queued_at_send, self.batch_queued_at_first) >= 1
 
 
 @dataclass
@@ -342,7 +350,10 @@ async def _flood(fleet: Fleet) -> FloodResult:
         async def probe_loop() -> None:
             await asyncio.sleep(WARMUP_S)
             i = 0
-            while not measured.is_set() or len(result.probes) < MIN_PROBES:
+            while not measured.is_set() or (
+                sum(p.is_flooded for p in result.probes) < MIN_PROBES
+                and len(result.probes) < MAX_PROBES
+            ):
                 at_send = await batch_queued()
                 started = asyncio.Event()
                 probe = asyncio.create_task(
@@ -460,18 +471,19 @@ def test_backlogged_tenants_share_by_weight(flood: FloodResult) -> None:
 
 @pytest.mark.timing
 def test_rank_zero_ttft_meets_its_slo_under_a_batch_flood(flood: FloodResult) -> None:
-    probes = flood.probes
-    assert len(probes) >= MIN_PROBES
+    # The probes that overtook queued batch work (the flood on from their arrival to
+    # their first token); the others, sent while a stalled client let the queue run dry,
+    # must meet the SLO too.
+    probes = [p for p in flood.probes if p.is_flooded]
     ttfts_ms = sorted(p.served.ttft_ms for p in probes)
-    queued = [min(p.batch_queued_at_send, p.batch_queued_at_first) for p in probes]
     print(
         f"rank-0 TTFT ms under the flood (SLO {PROBE_TTFT_SLO_MS:.0f}): "
-        f"{[round(t) for t in ttfts_ms]}; batch jobs queued around them: min {min(queued)}"
+        f"{[round(t) for t in ttfts_ms]}; {len(flood.probes) - len(probes)} more probes "
+        "found the batch queue empty"
     )
-    # Each probe overtook queued batch work: the flood was on from its arrival to its
-    # first token.
-    assert min(queued) >= 1
+    assert len(probes) >= MIN_PROBES
     assert ttfts_ms[-1] <= PROBE_TTFT_SLO_MS
+    assert max(p.served.ttft_ms for p in flood.probes) <= PROBE_TTFT_SLO_MS
 
 
 # --------------------------------------------------------------------------- admission
