@@ -13,7 +13,6 @@ flag set to `none` clears it (unlimited).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -22,6 +21,8 @@ from typing import Any
 from urllib.parse import quote
 
 import httpx
+
+from gateway.cli_output import print_json
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 API_PREFIX = "/admin/v1"
@@ -273,7 +274,7 @@ def _call(args: argparse.Namespace, method: str, path: str, body: Any = None) ->
     except ValueError:
         payload = {"status": response.status_code, "body": response.text}
     out = sys.stdout if response.is_success else sys.stderr
-    print(json.dumps(payload, indent=2), file=out)
+    print_json(payload, out)
     return 0 if response.is_success else 1
 
 

@@ -27,6 +27,7 @@ from urllib.parse import quote
 import httpx
 
 from gateway.admin_cli import positive_seconds
+from gateway.cli_output import print_json
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
@@ -164,7 +165,7 @@ def _run(args: argparse.Namespace, action: Callable[[BatchClient, argparse.Names
         with BatchClient(args.url, args.api_key, timeout_s=args.timeout_s) as client:
             return action(client, args)
     except ApiError as exc:
-        print(json.dumps(exc.payload, indent=2), file=sys.stderr)
+        print_json(exc.payload, sys.stderr)
         return 1
     except httpx.HTTPError as exc:
         print(f"tiergate batch: cannot reach {args.url}: {exc}", file=sys.stderr)
@@ -172,7 +173,7 @@ def _run(args: argparse.Namespace, action: Callable[[BatchClient, argparse.Names
 
 
 def _print(payload: Any) -> int:
-    print(json.dumps(payload, indent=2))
+    print_json(payload)
     return 0
 
 

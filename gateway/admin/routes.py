@@ -257,6 +257,9 @@ def _build_routes(deps: AdminDeps) -> list[BaseRoute]:
         expires_at = values.get("expires_at")
         if "expires_in_s" in values:
             expires_at = datetime.now(UTC) + timedelta(seconds=values["expires_in_s"])
+        elif expires_at is not None and expires_at <= datetime.now(UTC):
+            # A key born expired can only ever answer 401; the caller meant something else.
+            raise InvalidRequestError("expires_at is in the past", param="expires_at")
         secret, digest, prefix = generate_api_key()
         async with sessions() as session:
             tenant = await _tenant_or_404(session, request)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
@@ -367,10 +369,13 @@ async def test_key_expiry_fields(admin: Admin) -> None:
     tenant = await admin.create_tenant()
     key = await admin.create_key(tenant["id"], expires_at="2999-01-01T00:00:00Z")
     assert key["expires_at"].startswith("2999-01-01T00:00:00")
-    past = await admin.create_key(tenant["id"], expires_at="2001-01-01T00:00:00+02:00")
-    with pytest.raises(AuthenticationError, match="expired"):
-        await admin.auth.authenticate(f"Bearer {past['secret']}")
     assert (await admin.auth.authenticate(f"Bearer {key['secret']}")).tenant_id == tenant["id"]
+    soon = datetime.now(UTC) + timedelta(seconds=0.3)
+    short = await admin.create_key(tenant["id"], expires_at=soon.isoformat())
+    await admin.auth.authenticate(f"Bearer {short['secret']}")
+    await asyncio.sleep(0.4)
+    with pytest.raises(AuthenticationError, match="expired"):
+        await admin.auth.authenticate(f"Bearer {short['secret']}")
     in_s = await admin.create_key(tenant["id"], expires_in_s=60)
     assert in_s["expires_at"] is not None
     assert (await admin.client.post(f"/admin/v1/tenants/{tenant['id']}/keys")).status_code == 201
@@ -378,6 +383,7 @@ async def test_key_expiry_fields(admin: Admin) -> None:
         {"expires_at": "tomorrow"},
         {"expires_at": "2999-01-01T00:00:00"},  # no time zone
         {"expires_in_s": 0},
+        {"expires_at": "2001-01-01T00:00:00+02:00"},  # a key born expired
         {"expires_at": None, "expires_in_s": 5},
         {"secret": "tg-mine"},
     ):

@@ -154,3 +154,23 @@ def test_empty_ids_and_foreign_tokens_are_refused_plainly(server_url: str, capsy
     code, _, err = _run(capsys, server_url, "tiers", "list", token="tøken")
     assert code == 2
     assert "ASCII" in err
+
+
+def test_admin_cli_prints_names_in_their_own_letters(server_url: str, capsys) -> None:
+    code = main(
+        [
+            "tenants",
+            "create",
+            "Zoë 株式会社",
+            "--tier",
+            "batch",
+            "--url",
+            server_url,
+            "--admin-token",
+            TOKEN,
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "Zoë 株式会社" in out
+    assert json.loads(out)["name"] == "Zoë 株式会社"
