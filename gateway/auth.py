@@ -8,6 +8,7 @@ of that process at once (other processes follow within `cache_ttl_s`).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import re
@@ -117,6 +118,10 @@ class KeyAuthenticator:
         self._cache: OrderedDict[str, tuple[_KeyEntry | None, float]] = OrderedDict()
         # Bumped by every invalidation: a lookup that started before one is not cached.
         self._generation = 0
+        # digest -> (generation, load in flight). When an entry expires under load, every
+        # request for that key misses at once; they share one query instead of each
+        # taking a pooled connection (a herd of 32 made SQLite open 27 connections).
+        self._loading: dict[str, tuple[int, asyncio.Task[_KeyEntry | None]]] = {}
 
     async def authenticate(self, authorization: str | None) -> Principal:
         """The Principal behind `authorization` (the raw header value)."""
@@ -172,13 +177,27 @@ class KeyAuthenticator:
             self._cache.move_to_end(digest)
             return cached[0]
         generation = self._generation
-        entry = await self._load(digest)
+        loading = self._loading.get(digest)
+        # A load begun before an invalidation may hold what was just revoked: not shared.
+        if loading is None or loading[0] != generation:
+            loading = (generation, asyncio.ensure_future(self._load(digest)))
+            self._loading[digest] = loading
+            loading[1].add_done_callback(lambda task: self._loaded(digest, task, generation, now))
+        # Shielded: a waiter that goes away (client disconnect) leaves the others' load.
+        return await asyncio.shield(loading[1])
+
+    def _loaded(
+        self, digest: str, task: asyncio.Task[_KeyEntry | None], generation: int, started: float
+    ) -> None:
+        if self._loading.get(digest, (0, None))[1] is task:
+            del self._loading[digest]
+        if task.cancelled() or task.exception() is not None:
+            return  # each waiter got the error; the next request tries again
         if generation == self._generation:
-            self._cache[digest] = (entry, now + self._cache_ttl_s)
+            self._cache[digest] = (task.result(), started + self._cache_ttl_s)
             self._cache.move_to_end(digest)
             while len(self._cache) > self._max_cache_entries:
                 self._cache.popitem(last=False)
-        return entry
 
     async def _load(self, digest: str) -> _KeyEntry | None:
         async with self._sessionmaker() as session:

@@ -141,6 +141,55 @@ async def test_lookups_are_cached(db_sessionmaker) -> None:
     assert len(statements) == 1
 
 
+async def test_a_burst_of_misses_shares_one_query(db_sessionmaker) -> None:
+    # When a cached key expires under load, every request in flight misses at once.
+    _, key, secret = await _tenant_with_key(db_sessionmaker)
+    auth = KeyAuthenticator(db_sessionmaker, TierCatalog(db_sessionmaker, ttl_s=60))
+    await auth._tiers.all()  # the tiers' own query is not what this counts
+    statements = _count_queries(db_sessionmaker)
+    principals = await asyncio.gather(
+        *(auth.authenticate(f"Bearer {secret}") for _ in range(40)),
+        *(auth.authenticate("Bearer tg-" + "c" * 43) for _ in range(10)),
+        return_exceptions=True,
+    )
+    assert {p.key_id for p in principals[:40]} == {key.id}
+    assert all(isinstance(p, AuthenticationError) for p in principals[40:])
+    assert len(statements) == 2  # one per distinct key
+
+
+async def test_a_waiter_that_leaves_does_not_cancel_the_shared_query(db_sessionmaker) -> None:
+    _, key, secret = await _tenant_with_key(db_sessionmaker)
+    auth = KeyAuthenticator(db_sessionmaker, TierCatalog(db_sessionmaker))
+    leaving = asyncio.ensure_future(auth.authenticate(f"Bearer {secret}"))
+    staying = asyncio.ensure_future(auth.authenticate(f"Bearer {secret}"))
+    await asyncio.sleep(0)
+    leaving.cancel()
+    assert (await staying).key_id == key.id
+    with pytest.raises(asyncio.CancelledError):
+        await leaving
+
+
+async def test_a_revocation_during_a_load_is_not_missed(db_sessionmaker) -> None:
+    # A load that began before the revocation may read the key as valid; a request
+    # arriving after the revocation must not share it, and it must not be cached.
+    _, key, secret = await _tenant_with_key(db_sessionmaker)
+    auth = KeyAuthenticator(db_sessionmaker, TierCatalog(db_sessionmaker), cache_ttl_s=60)
+    await auth._tiers.all()
+    statements = _count_queries(db_sessionmaker)
+    before = asyncio.ensure_future(auth.authenticate(f"Bearer {secret}"))
+    await asyncio.sleep(0)  # its load is in flight
+    auth.invalidate_key(key.id)
+    after = asyncio.ensure_future(auth.authenticate(f"Bearer {secret}"))
+    assert (await before).key_id == (await after).key_id == key.id
+    assert len(statements) == 2  # the second request ran a load of its own
+    async with db_sessionmaker() as session:
+        await repo.revoke_api_key(session, key.id)
+        await session.commit()
+    auth.invalidate_key(key.id)
+    with pytest.raises(AuthenticationError, match="revoked"):
+        await auth.authenticate(f"Bearer {secret}")
+
+
 async def test_other_processes_changes_arrive_within_ttl(db_sessionmaker) -> None:
     # A revocation made elsewhere (straight in the database, no invalidate call here)
     # takes effect once this process's cache entry expires.
