@@ -4,7 +4,10 @@ The body goes through the OpenAI routes' own parsing, model check, tokenisation 
 context-length check, becomes a Job at the batch's tier with the batch's deadline, and
 is submitted through the dispatcher like any request. A body the live endpoint would
 refuse gets the same status code and error body, in the error file; the rest of the
-batch runs. Every line leaves a UsageRecord at the batch's tier (and so at its price).
+batch runs. Every line that reaches an outcome leaves one UsageRecord at the batch's tier
+(and so at its price). A line the driver stops (shutdown, lost lease, cancel, expiry)
+leaves none: it runs again from the start, or is reported unfinished, and the tenant
+pays for the run that finished, not for the one the gateway broke off.
 """
 
 from __future__ import annotations
@@ -107,8 +110,7 @@ class LineRunner:
                 if output.finished and output.finish_reason is not None:
                     finish_reason = str(output.finish_reason)
         except (RequestAbortedError, EngineDeadError):
-            self._finished(record.finish("aborted", stream.queue_wait_ms))
-            raise
+            raise  # not the line's outcome (see the module docstring): no record
         except (GatewayError, EngineError) as exc:
             self._finished(record.finish("error", stream.queue_wait_ms))
             return error_outcome(request_id, exc)

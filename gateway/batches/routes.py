@@ -8,7 +8,7 @@ driver; the driver (here or on another replica) does the work.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from sqlalchemy.exc import IntegrityError
@@ -73,7 +73,8 @@ class BatchRoutes:
 
     async def create_file(self, request: Request) -> Response:
         principal = await self._principal(request)
-        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        # Media types are case-insensitive (RFC 9110).
+        if not request.headers.get("content-type", "").lower().startswith("multipart/form-data"):
             raise InvalidRequestError("Upload the file as multipart/form-data.", param="file")
         try:
             form = await request.form(max_files=1, max_fields=10)
@@ -89,8 +90,17 @@ class BatchRoutes:
                 raise InvalidRequestError(
                     f"purpose must be one of {', '.join(FILE_PURPOSES)}.", param="purpose"
                 )
+            if isinstance(upload, str):
+                # A part without a filename (or with an empty one) arrives as a text field.
+                raise InvalidRequestError(
+                    "file must be sent as a file part, with a filename.", param="file"
+                )
             if not isinstance(upload, UploadFile):
                 raise InvalidRequestError("Missing required parameter: 'file'.", param="file")
+            if "\x00" in (upload.filename or ""):
+                raise InvalidRequestError(
+                    "The file name may not contain NUL characters.", param="file"
+                )
             content = await upload.read()
             filename = (upload.filename or "upload.jsonl")[:MAX_FILENAME_CHARS]
         finally:
@@ -111,7 +121,7 @@ class BatchRoutes:
 
     async def file_content(self, request: Request) -> Response:
         principal = await self._principal(request)
-        file_id = request.path_params["file_id"]
+        file_id = _lookup_id(request.path_params["file_id"], _file_not_found)
         content = await self.deps.store.get_file_content(principal.tenant_id, file_id)
         if content is None:
             raise _file_not_found(file_id)
@@ -119,13 +129,13 @@ class BatchRoutes:
 
     async def delete_file(self, request: Request) -> Response:
         principal = await self._principal(request)
-        file_id = request.path_params["file_id"]
+        file_id = _lookup_id(request.path_params["file_id"], _file_not_found)
         if not await self.deps.store.delete_file(principal.tenant_id, file_id):
             raise _file_not_found(file_id)
         return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
     async def _file(self, principal: Principal, request: Request):
-        file_id = request.path_params["file_id"]
+        file_id = _lookup_id(request.path_params["file_id"], _file_not_found)
         row = await self.deps.store.get_file(principal.tenant_id, file_id)
         if row is None:
             raise _file_not_found(file_id)
@@ -136,6 +146,7 @@ class BatchRoutes:
     async def create_batch(self, request: Request) -> Response:
         principal = await self._principal(request)
         parsed = parse_create_request(await request.body())
+        _lookup_id(parsed.input_file_id, lambda i: _file_not_found(i, param="input_file_id"))
         input_file = await self.deps.store.get_file(principal.tenant_id, parsed.input_file_id)
         if input_file is None:
             raise _file_not_found(parsed.input_file_id, param="input_file_id")
@@ -194,6 +205,12 @@ class BatchRoutes:
         principal = await self._principal(request)
         limit = _page_size(request.query_params.get("limit"))
         after = request.query_params.get("after") or None
+        # A cursor that names no batch of this tenant is a mistake to report, not an empty
+        # page that reads as "no more batches" (NUL: no row can hold one).
+        if after is not None and (
+            "\x00" in after or await self.deps.store.get_batch(after, principal.tenant_id) is None
+        ):
+            raise InvalidRequestError(f"after names no batch of yours: {after!r}.", param="after")
         rows, has_more = await self.deps.store.list_batches(
             principal.tenant_id, limit=limit, after=after
         )
@@ -210,10 +227,23 @@ class BatchRoutes:
         )
 
     async def _batch(self, principal: Principal, batch_id: str):
+        _lookup_id(batch_id, _batch_not_found)
         row = await self.deps.store.get_batch(batch_id, principal.tenant_id)
         if row is None:
-            raise NotFoundError(f"No batch with id {batch_id!r}.", code="batch_not_found")
+            raise _batch_not_found(batch_id)
         return row
+
+
+def _batch_not_found(batch_id: str) -> NotFoundError:
+    return NotFoundError(f"No batch with id {batch_id!r}.", code="batch_not_found")
+
+
+def _lookup_id(value: str, not_found: Callable[[str], NotFoundError]) -> str:
+    """`value`, or the not-found error at once for an id no row can have: PostgreSQL text
+    cannot hold NUL, and the lookup would fail with a driver error instead of a 404."""
+    if "\x00" in value:
+        raise not_found(value)
+    return value
 
 
 def _file_not_found(file_id: str, *, param: str | None = None) -> NotFoundError:

@@ -427,8 +427,8 @@ class BatchStore:
 
 
 _CLOSE_MESSAGES = {
-    "batch_cancelled": "The batch was cancelled before this request ran.",
-    "batch_expired": "This request was not run before the batch's completion window ended.",
+    "batch_cancelled": "The batch was cancelled before this request finished.",
+    "batch_expired": "This request did not finish before the batch's completion window ended.",
 }
 
 

@@ -187,6 +187,9 @@ def _parse_line(raw: bytes, endpoint: str, number: int, index: int) -> InputLine
             f"custom_id is at most {MAX_CUSTOM_ID_CHARS} characters.",
             "custom_id",
         )
+    if "\x00" in custom_id:
+        # PostgreSQL text cannot hold NUL: the line could never be stored.
+        raise invalid("invalid_request", "custom_id may not contain NUL characters.", "custom_id")
     if data.get("method") != "POST":
         raise invalid("invalid_request", 'method must be "POST".', "method")
     url = data.get("url")

@@ -215,6 +215,9 @@ def test_tenant_below_batch_tier_runs_at_its_own(live_server: LiveServer) -> Non
             "invalid_json_line",
             1,
         ),
+        # PostgreSQL text cannot hold NUL: storing the line failed, and the batch stayed
+        # validating, retried for good, holding one of the driver's slots.
+        ([json.dumps({**_chat_line("a"), "custom_id": "a\x00b"})], "invalid_request", 1),
     ],
 )
 def test_validation_failure_runs_nothing(
@@ -315,6 +318,46 @@ def test_bad_requests_are_typed_errors(live_server: LiveServer) -> None:
         assert not_json.status_code == 400
         unauthenticated = httpx.get(f"{live_server.base_url}/v1/batches")
         assert unauthenticated.status_code == 401
+        # Media types are case-insensitive; a part without a filename is not a file.
+        upper = raw.post(
+            "/v1/files",
+            content=b'--x\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+            b'--x\r\nContent-Disposition: form-data; name="file"; filename="a.jsonl"\r\n\r\n'
+            + _jsonl([_chat_line("a")])
+            + b"\r\n--x--\r\n",
+            headers={"content-type": "Multipart/Form-Data; boundary=x"},
+        )
+        assert upper.status_code == 200, upper.text
+        unnamed = raw.post("/v1/files", files={"file": ("", b"{}")}, data={"purpose": "batch"})
+        assert unnamed.status_code == 400
+        assert "filename" in unnamed.json()["error"]["message"]
+        nul_name = raw.post(  # by hand: httpx would percent-encode the NUL
+            "/v1/files",
+            content=b'--x\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+            b'--x\r\nContent-Disposition: form-data; name="file"; filename="a\x00.jsonl"'
+            b"\r\n\r\n{}\r\n--x--\r\n",
+            headers={"content-type": "multipart/form-data; boundary=x"},
+        )
+        assert nul_name.status_code == 400, nul_name.text
+        # Ids no row can have (PostgreSQL text holds no NUL) are 404s, not driver errors.
+        for method, path in (
+            ("GET", "/v1/files/a%00b"),
+            ("GET", "/v1/files/a%00b/content"),
+            ("DELETE", "/v1/files/a%00b"),
+            ("GET", "/v1/batches/a%00b"),
+            ("POST", "/v1/batches/a%00b/cancel"),
+        ):
+            assert raw.request(method, path).status_code == 404, path
+        nul_input = raw.post(
+            "/v1/batches",
+            json={"input_file_id": "f\x00", "endpoint": CHAT, "completion_window": "24h"},
+        )
+        assert nul_input.status_code == 404
+        # A cursor naming no batch of this tenant is an error, not an empty last page.
+        for after in ("a\x00b", "batch_nope"):
+            listed = raw.get("/v1/batches", params={"after": after})
+            assert listed.status_code == 400, after
+            assert listed.json()["error"]["param"] == "after"
 
 
 def test_another_tenants_objects_are_404(live_server: LiveServer) -> None:
@@ -334,6 +377,8 @@ def test_another_tenants_objects_are_404(live_server: LiveServer) -> None:
         with pytest.raises(openai.NotFoundError):
             call()
     assert other.batches.list().data == []
+    with pytest.raises(openai.BadRequestError):
+        other.batches.list(after=batch.id)  # a cursor is only a cursor among one's own
     # The owner still has everything, and may delete it.
     assert owner.files.delete(file_id).deleted is True
     with pytest.raises(openai.NotFoundError):

@@ -268,3 +268,6 @@ def test_sigkill_mid_batch_and_takeover(gateways, tmp_path: Path) -> None:
     client = _client(third, key)
     _wait_until(lambda: client.batches.retrieve(batch_id).status == "completed")
     _assert_exactly_once(client, database, batch_id)
+    # The line the stop broke off runs again; only that run is billed.
+    aborted = _fetch(database, "SELECT count(*) FROM usage_records WHERE outcome = 'aborted'")
+    assert aborted[0][0] == 0
