@@ -83,6 +83,7 @@ class ConfigSync:
         self._version: str | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._poller: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
 
     def bind(self, tiers: SyncedTierCatalog, auth: SyncedKeyAuthenticator) -> None:
         self._tiers, self._auth = tiers, auth
@@ -94,16 +95,23 @@ class ConfigSync:
         task.add_done_callback(self._tasks.discard)
 
     async def push_tiers(self) -> None:
-        """Copy the tier table from SQL to the queue."""
+        """Copy the tier table from SQL to the queue.
+
+        Read afresh, not from this process's cache, which may lag another process's
+        write by up to its TTL: a push from it would overwrite the newer table."""
         if self._tiers is None:
             return
-        await self._backend.configure_tiers([tier_config(t) for t in await self._tiers.all()])
+        tiers = await self._tiers.read_fresh()
+        await self._backend.configure_tiers([tier_config(t) for t in tiers])
 
     async def _announce(self) -> None:
         try:
             await self.push_tiers()
             if self._redis is not None:
-                self._version = str(await self._redis.incr(self._version_key))
+                # The new version is not recorded as seen: other processes may have bumped
+                # it since the last poll, and their changes would be skipped here. The
+                # poller sees the move and drops the caches once more (harmless).
+                await self._redis.incr(self._version_key)
         except Exception as exc:
             log.warning("could not announce a configuration change: %r", exc)
 
@@ -117,8 +125,10 @@ class ConfigSync:
 
     async def _poll(self) -> None:
         assert self._redis is not None
-        while True:
-            await asyncio.sleep(self._poll_ms / 1000.0)
+        while not self._stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), self._poll_ms / 1000.0)
+                return
             try:
                 version = await self._redis.get(self._version_key)
             except Exception:
@@ -129,11 +139,22 @@ class ConfigSync:
                     self._tiers.invalidate_local()
                 if self._auth is not None:
                     KeyAuthenticator.invalidate_all(self._auth)
+                # Pushes from two processes can land out of order (each read SQL, then
+                # wrote the queue); every process pushing again after the last bump,
+                # which follows the last commit, leaves the queue with what SQL holds.
+                with contextlib.suppress(Exception):
+                    await self.push_tiers()
 
     async def aclose(self) -> None:
+        # Stopped between polls, not cancelled: a cancel in the middle of its database
+        # read could leave a pooled connection that the engine's disposal waits on.
+        self._stopping.set()
         if self._poller is not None:
-            self._poller.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._poller
+            try:
+                await asyncio.wait_for(asyncio.shield(self._poller), 5.0)
+            except TimeoutError:
+                self._poller.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._poller
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)

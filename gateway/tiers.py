@@ -65,6 +65,10 @@ class TierPolicy:
         ) / 1_000_000
 
 
+# The least time between two reloads that a lookup of an unknown tier name may cause.
+MISS_RELOAD_S = 0.1
+
+
 class TierCatalog:
     """All tiers, read from SQL at most once per `ttl_s` (a request reads the cache).
 
@@ -103,15 +107,33 @@ class TierCatalog:
     async def get(self, name: str) -> TierPolicy:
         """The tier called `name`; NotFoundError if there is none."""
         tier = (await self._refresh()).get(name)
+        if tier is None and self._may_reload_on_miss():
+            # Created in another process since the cache was read (its tenant's key may
+            # already be in use): read again rather than fail a valid request. At most
+            # every MISS_RELOAD_S, so a flood of made-up names is not a flood of queries.
+            self._forget()
+            tier = (await self._refresh()).get(name)
         if tier is None:
             raise NotFoundError(f"Unknown tier {name!r}", param="tier", code="tier_not_found")
         return tier
+
+    def _may_reload_on_miss(self) -> bool:
+        loaded_at = self._loaded_at
+        return loaded_at is None or time.monotonic() - loaded_at >= MISS_RELOAD_S
 
     async def all(self) -> list[TierPolicy]:
         """Every tier, best rank first (ties by name)."""
         return sorted((await self._refresh()).values(), key=lambda t: (t.rank, t.name))
 
+    async def read_fresh(self) -> list[TierPolicy]:
+        """Every tier as the database holds it now, best rank first."""
+        self._forget()
+        return await self.all()
+
     def invalidate(self) -> None:
         """Forget the cache; the next read goes to the database."""
+        self._forget()
+
+    def _forget(self) -> None:
         self._loaded_at = None
         self._generation += 1
