@@ -15,6 +15,11 @@ import torch
 from engine.request import SamplingParams
 
 _NOISE_FLOOR = 1e-10  # keeps the exponential noise away from zero (division below)
+# Temperatures below this sample greedily (vLLM uses the same cut-off). Dividing float32
+# logits by a temperature under ~1e-38 overflows to inf and the softmax to NaN; and well
+# before that the distribution is already one-hot: at 1e-5 a logit gap of 1e-3 is a
+# factor e^100 in probability.
+_MIN_TEMPERATURE = 1e-5
 
 
 def sample(
@@ -30,11 +35,12 @@ def sample(
     """
     if logits.shape[0] == 0:
         return []
-    if all(p.is_greedy for p in params):
+    is_greedy = [_is_greedy(p) for p in params]
+    if all(is_greedy):
         return logits.argmax(dim=-1).tolist()
     device = logits.device
     temperatures = torch.tensor(
-        [p.temperature if not p.is_greedy else 1.0 for p in params],
+        [1.0 if greedy else p.temperature for p, greedy in zip(params, is_greedy, strict=True)],
         dtype=torch.float32,
         device=device,
     )
@@ -44,11 +50,15 @@ def sample(
     probs = logits.softmax(dim=-1)
     noise = _exponential_noise(probs, params, output_positions, generator)
     sampled = (probs / noise).argmax(dim=-1)
-    greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
+    greedy_rows = [i for i, greedy in enumerate(is_greedy) if greedy]
     if greedy_rows:
         rows = torch.tensor(greedy_rows, device=device)
         sampled[rows] = logits[rows].argmax(dim=-1)
     return sampled.tolist()
+
+
+def _is_greedy(p: SamplingParams) -> bool:
+    return p.is_greedy or p.temperature < _MIN_TEMPERATURE
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -78,7 +88,7 @@ def _exponential_noise(
 ) -> torch.Tensor:
     noise = torch.empty_like(probs).exponential_(generator=generator)
     for row, (p, position) in enumerate(zip(params, output_positions, strict=True)):
-        if p.seed is None or p.is_greedy:
+        if p.seed is None or _is_greedy(p):
             continue
         # Drawn on the CPU so a seed gives the same tokens on every device.
         seeded = torch.Generator(device="cpu").manual_seed(_mix(p.seed, position))

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,10 +23,23 @@ _ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 # tokenizers whose decode of a token depends on its neighbours (leading-space rules).
 _CONTEXT_TOKENS = 6
 _REPLACEMENT_CHAR = "\ufffd"
+# From this length on, encode through encode_batch: Tokenizer.encode holds the GIL for
+# the whole call, encode_batch releases it. Below it, encode is cheaper (measured on the
+# built-in tokenizer: 2.4 us against 3.1 us for 2 characters, 17 us against 20 us for 60)
+# and holds the GIL for under a millisecond (about 1 ms per 4,000 characters).
+_GIL_FREE_MIN_CHARS = 4096
 
 
 class Tokenizer:
-    """A checkpoint's tokenizer: encode/decode, chat template and end-of-sequence ids."""
+    """A checkpoint's tokenizer: encode/decode, chat template and end-of-sequence ids.
+
+    `max_token_chars` is an upper bound on the characters one token stands for: the
+    longest vocabulary entry (for byte-level BPE each entry character is one byte, so it
+    bounds decoded characters too). It is a bound, not an estimate of the average: text
+    longer than n * max_token_chars characters is sure to take more than n tokens (for a
+    tokenizer that keeps every input character, as byte-level BPE does), which lets a
+    caller refuse an oversized prompt without tokenizing it.
+    """
 
     def __init__(self, source: str | Path) -> None:
         path = _ASSETS_DIR if str(source) == TINY_RANDOM else Path(source)
@@ -47,11 +62,26 @@ class Tokenizer:
         self._rust_decode = self._rust
         if getattr(self._hf, "clean_up_tokenization_spaces", False):
             self._rust_decode = None
+        # get_vocab holds added tokens under their content.
+        self.max_token_chars = max(len(token) for token in self._hf.get_vocab())
+        special = [t.content for t in self._hf.added_tokens_decoder.values() if t.special]
+        self._special_text = re.compile("|".join(map(re.escape, special))) if special else None
+        # A second instance that reads special-token text as plain text, for chat message
+        # contents. Its own instance: the setting is per instance, and other threads
+        # encode with the shared one.
+        self._rust_plain = None
+        if self._rust is not None:
+            self._rust_plain = type(self._rust).from_str(self._rust.to_str())
+            self._rust_plain.encode_special_tokens = True
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`, with the special tokens the checkpoint adds (BOS...)."""
+        """Token ids of `text`, with the special tokens the checkpoint adds (BOS...).
+
+        Long texts are encoded without holding the GIL, so running this in a worker
+        thread leaves the event loop free.
+        """
         if self._rust is not None:
-            return self._rust.encode(text, add_special_tokens=add_special_tokens).ids
+            return _encode(self._rust, text, add_special_tokens)
         return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
@@ -62,20 +92,82 @@ class Tokenizer:
     def apply_chat_template(
         self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True
     ) -> list[int]:
-        """Token ids of a conversation rendered with the checkpoint's chat template."""
+        """Token ids of a conversation rendered with the checkpoint's chat template.
+
+        Special-token text inside a message's content ("<|im_end|>"...) is encoded as
+        plain text: only the template's own special tokens are special, so a message
+        cannot forge role boundaries.
+        """
         if not getattr(self._hf, "chat_template", None):
             raise InvalidRequestError("this model has no chat template", param="messages")
+        rendered = self._render(messages, add_generation_prompt)
+        with_special = [i for i, m in enumerate(messages) if self._has_special_content(m)]
+        if not with_special:
+            # The template already holds BOS where the model wants it.
+            return self.encode(rendered, add_special_tokens=False)
+        # Render again with those contents replaced by unique markers: the text around
+        # the markers is the template's own. Putting the contents back must give the
+        # first rendering, or the template changed them and their place is unknown.
+        markers = {i: f"\ue000{uuid.uuid4().hex}\ue001" for i in with_special}
+        marked = [
+            {**m, "content": markers[i]} if i in markers else m for i, m in enumerate(messages)
+        ]
+        pieces, rest = [], self._render(marked, add_generation_prompt)
+        for i in with_special:
+            template_text, found, rest = rest.partition(markers[i])
+            if not found:
+                raise _content_not_verbatim()
+            pieces.append((template_text, messages[i]["content"]))
+        if "".join(t + c for t, c in pieces) + rest != rendered:
+            raise _content_not_verbatim()
+        ids: list[int] = []
+        for template_text, content in pieces:
+            ids += self.encode(template_text, add_special_tokens=False)
+            ids += self._encode_as_plain_text(content)
+        return ids + self.encode(rest, add_special_tokens=False)
+
+    def _render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool) -> str:
         try:
-            rendered = self._hf.apply_chat_template(
+            return self._hf.apply_chat_template(
                 list(messages), add_generation_prompt=add_generation_prompt, tokenize=False
             )
         except Exception as exc:  # jinja raises its own errors for malformed messages
             raise InvalidRequestError(f"cannot render messages: {exc}", param="messages") from exc
-        # The template already holds BOS where the model wants it.
-        return self.encode(rendered, add_special_tokens=False)
+
+    def _has_special_content(self, message: dict[str, str]) -> bool:
+        """Whether the content holds special-token text; such text in another field
+        (role, name) is refused, since nothing tells where a template puts those."""
+        if self._special_text is None:
+            return False
+        for key, value in message.items():
+            if key != "content" and isinstance(value, str) and self._special_text.search(value):
+                raise InvalidRequestError(
+                    f"a message's {key} must not contain special-token text", param="messages"
+                )
+        content = message.get("content")
+        return isinstance(content, str) and self._special_text.search(content) is not None
+
+    def _encode_as_plain_text(self, text: str) -> list[int]:
+        if self._rust_plain is not None:
+            return _encode(self._rust_plain, text, False)
+        return list(self._hf.encode(text, add_special_tokens=False, split_special_tokens=True))
 
     def detokenizer(self, prompt_token_ids: Sequence[int], stop: Sequence[str] = ()):
         return IncrementalDetokenizer(self, prompt_token_ids, stop)
+
+
+def _content_not_verbatim() -> InvalidRequestError:
+    return InvalidRequestError(
+        "a message contains special-token text and the chat template does not copy it "
+        "verbatim, so it cannot be kept as plain text; remove the special-token text",
+        param="messages",
+    )
+
+
+def _encode(rust: Any, text: str, add_special_tokens: bool) -> list[int]:
+    if len(text) < _GIL_FREE_MIN_CHARS:
+        return rust.encode(text, add_special_tokens=add_special_tokens).ids
+    return rust.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
 
 def _eos_token_ids(hf: Any, path: Path) -> frozenset[int]:
@@ -131,7 +223,11 @@ class IncrementalDetokenizer:
         decode = self._tokenizer.decode
         prefix_text = decode(self._ids[self._prefix_offset : self._read_offset])
         full_text = decode(self._ids[self._prefix_offset :])
-        if len(full_text) > len(prefix_text) and not full_text.endswith(_REPLACEMENT_CHAR):
+        # A trailing replacement char means "wait for more bytes", unless nothing more
+        # comes: then the text is final as it is, so the deltas join to the decode of
+        # every output id.
+        is_complete = is_last or not full_text.endswith(_REPLACEMENT_CHAR)
+        if len(full_text) > len(prefix_text) and is_complete:
             new_text = full_text[len(prefix_text) :]
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._ids)

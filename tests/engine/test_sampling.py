@@ -32,6 +32,14 @@ def test_greedy_rows_stay_greedy_in_a_mixed_batch() -> None:
     assert tokens[2] == logits[2].argmax().item()
 
 
+def test_tiny_temperatures_are_greedy_in_a_mixed_batch() -> None:
+    logits = _logits() * 30  # the scale of a real model's logits
+    tiny = [SamplingParams(temperature=1e-39), SamplingParams(temperature=1e-30, seed=3)]
+    params = [*tiny, SamplingParams(temperature=1e-39, top_p=0.9), SamplingParams()]
+    tokens = sample(logits, params, [0] * 4, torch.Generator().manual_seed(0))
+    assert tokens[:3] == logits[:3].argmax(-1).tolist()
+
+
 def test_top_k_restricts_the_support() -> None:
     logits = _logits(1, 64).repeat(400, 1)
     params = [SamplingParams(temperature=5.0, top_k=3)] * 400
@@ -75,3 +83,13 @@ def test_greedy_through_the_engine_is_deterministic(llm: LLM) -> None:
     first = llm.generate([[40, 41, 42]], greedy)[0].token_ids
     second = llm.generate([[5] * 30, [40, 41, 42]], greedy)[1].token_ids
     assert first == second
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 1e-39])
+def test_tiny_temperature_through_the_engine_is_greedy(llm: LLM, temperature: float) -> None:
+    """Below float32's smallest normal number, logits / temperature overflowed to inf:
+    every step sampled token 0."""
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    tiny = SamplingParams(max_tokens=8, temperature=temperature)
+    expected = llm.generate([[40, 41, 42]], greedy)[0].token_ids
+    assert llm.generate([[40, 41, 42]], tiny)[0].token_ids == expected
