@@ -20,15 +20,38 @@ class InvalidRequestError(EngineError, ValueError):
 class ContextLengthExceededError(InvalidRequestError):
     """Prompt plus max_tokens does not fit the model's context window."""
 
-    def __init__(self, *, num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    def __init__(
+        self,
+        *,
+        num_prompt_tokens: int,
+        max_tokens: int,
+        max_model_len: int,
+        param: str = "max_tokens",
+    ) -> None:
         super().__init__(
             f"This model's maximum context length is {max_model_len} tokens; the request asks "
             f"for {num_prompt_tokens + max_tokens} ({num_prompt_tokens} in the prompt, "
             f"{max_tokens} to generate).",
-            param="max_tokens",
+            param=param,
         )
         self.num_prompt_tokens = num_prompt_tokens
         self.max_tokens = max_tokens
+        self.max_model_len = max_model_len
+
+
+class PromptTooLongError(ContextLengthExceededError):
+    """A prompt so long that it cannot fit the context whatever it tokenizes to: refused
+    from its length in characters, without tokenizing it."""
+
+    def __init__(self, *, num_chars: int, max_model_len: int, param: str) -> None:
+        InvalidRequestError.__init__(
+            self,
+            f"This model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"{num_chars} characters, far more than that many tokens can hold.",
+            param=param,
+        )
+        self.num_prompt_tokens = None
+        self.max_tokens = None
         self.max_model_len = max_model_len
 
 

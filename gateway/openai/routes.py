@@ -21,7 +21,12 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
-from engine.errors import ContextLengthExceededError, EngineError, RequestAbortedError
+from engine.errors import (
+    ContextLengthExceededError,
+    EngineError,
+    PromptTooLongError,
+    RequestAbortedError,
+)
 from engine.request import SamplingParams
 from gateway.admission import Admission
 from gateway.auth import KeyAuthenticator, Principal
@@ -53,6 +58,10 @@ from scheduler.results import JobClient, JobStream, QueueTimeoutError
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # service_tier values the official client sends that mean "my own tier".
 OWN_TIER_ALIASES = frozenset({"auto", "default"})
+# Bodies from this size on are tokenized in a worker thread: below it tokenizing takes
+# well under a millisecond, less than the hand-over to a thread costs.
+OFF_LOOP_MIN_BODY_BYTES = 32 * 1024
+OFF_LOOP_SLOTS = 2
 
 T = TypeVar("T")
 
@@ -148,6 +157,8 @@ class OpenAIRoutes:
 
     def __init__(self, deps: OpenAIDeps) -> None:
         self.deps = deps
+        # Large prompts tokenized at once in worker threads; more wait their turn.
+        self._off_loop_slots = asyncio.Semaphore(OFF_LOOP_SLOTS)
 
     def routes(self) -> list[BaseRoute]:
         return [
@@ -195,7 +206,7 @@ class OpenAIRoutes:
             tier = await self.resolve_tier(principal, options.service_tier)
             exchange.tier = tier.name
             self.check_model(options.model)
-            prompt_ids = self.prompt_token_ids(parsed)
+            prompt_ids = await self.prompt_token_ids_off_loop(parsed, len(body))
             exchange.num_prompt_tokens = len(prompt_ids)
             params = self.sampling_params(options, len(prompt_ids), chat=chat)
             job = build_job(request_id, principal, tier, prompt_ids, params, arrival_s, options)
@@ -294,6 +305,34 @@ class OpenAIRoutes:
                 code="model_not_found",
             )
 
+    async def prompt_token_ids_off_loop(
+        self, parsed: CompletionRequest | ChatCompletionRequest, num_body_bytes: int
+    ) -> list[int]:
+        """prompt_token_ids, without stalling the event loop on a large prompt.
+
+        A prompt longer in characters than the context can hold in tokens is refused
+        unread. A large body is tokenized in a worker thread (long texts encode without
+        the GIL; a template render yields it every switch interval), a few at a time, so
+        one tenant's megabyte prompt does not freeze every other request.
+        """
+        self._refuse_unfittable(parsed)
+        if num_body_bytes < OFF_LOOP_MIN_BODY_BYTES:
+            return self.prompt_token_ids(parsed)
+        async with self._off_loop_slots:
+            return await asyncio.to_thread(self.prompt_token_ids, parsed)
+
+    def _refuse_unfittable(self, parsed: CompletionRequest | ChatCompletionRequest) -> None:
+        if isinstance(parsed, ChatCompletionRequest):
+            num_chars, param = sum(len(m.content) for m in parsed.messages), "messages"
+        elif isinstance(parsed.prompt, str):
+            num_chars, param = len(parsed.prompt), "prompt"
+        else:
+            return  # token ids: their count is known
+        max_model_len = self.deps.model.max_model_len
+        # Twice the bound: it only has to stop absurd inputs, never a prompt that fits.
+        if num_chars > 2 * max_model_len * self.deps.model.tokenizer.max_token_chars:
+            raise PromptTooLongError(num_chars=num_chars, max_model_len=max_model_len, param=param)
+
     def prompt_token_ids(self, parsed: CompletionRequest | ChatCompletionRequest) -> list[int]:
         """The prompt as token ids (chat template applied); a typed 400 if unusable."""
         tokenizer = self.deps.model.tokenizer
@@ -324,10 +363,14 @@ class OpenAIRoutes:
             max_tokens = remaining if chat else min(DEFAULT_COMPLETION_MAX_TOKENS, remaining)
             max_tokens = max(max_tokens, 1)
         if num_prompt_tokens + max_tokens > max_model_len:
+            # The field to change: max_tokens if the client set it, else the prompt alone
+            # is too long.
+            given = options.max_tokens is not None
             raise ContextLengthExceededError(
                 num_prompt_tokens=num_prompt_tokens,
                 max_tokens=max_tokens,
                 max_model_len=max_model_len,
+                param="max_tokens" if given else ("messages" if chat else "prompt"),
             )
         return SamplingParams(
             max_tokens=max_tokens,

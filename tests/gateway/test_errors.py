@@ -12,6 +12,8 @@ import httpx
 import openai
 import pytest
 
+from engine.tokenizer import Tokenizer
+
 if TYPE_CHECKING:
     from tests.gateway.conftest import LiveServer
 
@@ -91,6 +93,35 @@ def test_context_length_exceeded(live_server: LiveServer) -> None:
             max_completion_tokens=4,
         )
     assert chat.value.code == "context_length_exceeded"
+    # The field to change: max_tokens when it was given, else the prompt itself.
+    assert (info.value.param, chat.value.param) == ("max_tokens", "max_tokens")
+    with pytest.raises(openai.BadRequestError) as alone:
+        client.completions.create(model=MODEL, prompt="word " * live_server.max_model_len)
+    assert (alone.value.code, alone.value.param) == ("context_length_exceeded", "prompt")
+    with pytest.raises(openai.BadRequestError) as alone:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "word " * live_server.max_model_len}]
+        )
+    assert (alone.value.code, alone.value.param) == ("context_length_exceeded", "messages")
+
+
+def test_a_prompt_longer_than_any_context_is_refused_unread(live_server: LiveServer) -> None:
+    # Tokenizing a 4 MB prompt held the event loop for seconds, for every tenant; one
+    # with more characters than the context holds tokens is now refused from its length.
+    client = live_server.client()
+    bound = 2 * live_server.max_model_len * Tokenizer(MODEL).max_token_chars
+    num_chars = live_server.max_body_bytes - 1024
+    assert num_chars > bound
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="x" * num_chars, max_tokens=1)
+    assert (info.value.code, info.value.param) == ("context_length_exceeded", "prompt")
+    assert f"{num_chars} characters" in info.value.message
+    with pytest.raises(openai.BadRequestError) as chat:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi " * (bound // 3 + 1)}]
+        )
+    assert (chat.value.code, chat.value.param) == ("context_length_exceeded", "messages")
+    assert "characters" in chat.value.message
 
 
 @pytest.mark.parametrize(
