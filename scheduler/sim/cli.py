@@ -20,19 +20,21 @@ import time
 from pathlib import Path
 from typing import Any
 
+from scheduler.sim.admission import INVALID_REQUEST
 from scheduler.sim.cost_model import (
     PRESETS,
     CostModelError,
+    RooflineParams,
     fit_roofline,
     load_params,
     load_preset,
-    read_samples,
+    read_samples_file,
     save_params,
 )
 from scheduler.sim.fleet import POLICIES, FleetSpec, SimOptions, SimulationError, simulate
 from scheduler.sim.suites import SUITES
 from scheduler.sim.targets import TargetConfig, run_experiment
-from scheduler.sim.workload import WorkloadError, three_tier_mix
+from scheduler.sim.workload import WorkloadError, WorkloadSpec, three_tier_mix
 
 DEFAULT_PRESET = "h200-llama-3.1-8b"
 
@@ -40,6 +42,15 @@ DEFAULT_PRESET = "h200-llama-3.1-8b"
 # Arrivals one `run` may offer: an hour at 1,000 requests/s is 3.6 M; a typo's 10^9
 # requests/s would otherwise generate arrivals until memory runs out.
 MAX_OFFERED_REQUESTS = 50_000_000
+# Simulated seconds (arrivals + drain) of one run. The fleet samples every simulated
+# second however idle it is (~13 µs and ~0.7 kB of trace each): a week is seconds of
+# wall time and ~0.5 GB, a typo's 10^9 s would run for hours and exhaust memory.
+MAX_SIMULATED_S = 7 * 24 * 3600.0
+# KV blocks of the whole fleet: the simulated block managers hold an object per block
+# (~140 bytes: 8 M is ~1.2 GB; 64 H200 engines are 3 M); and engines, each a step
+# scheduler the fleet visits every sample.
+MAX_FLEET_KV_BLOCKS = 2**23
+MAX_ENGINES = 4096
 
 
 def _number(text: str, *, allow_zero: bool) -> float:
@@ -195,8 +206,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         if args.save_samples:
             write_samples(samples, args.save_samples)
     else:
-        samples = read_samples(args.samples.read_text(encoding="utf-8").splitlines())
-        result = fit_roofline(base, samples)
+        result = fit_roofline(base, read_samples_file(args.samples))
     save_params(result.params, args.out)
     p = result.params
     print(
@@ -204,23 +214,56 @@ def _calibrate(args: argparse.Namespace) -> int:
         f"memory efficiency {p.memory_efficiency:.3f}, compute efficiency "
         f"{p.compute_efficiency:.3f}; mean error {result.mean_abs_rel_error:.1%} -> {args.out}"
     )
+    for kind, value, numbers in (
+        ("memory", p.memory_efficiency, "memory_bandwidth_bytes_per_s"),
+        ("compute", p.compute_efficiency, "peak_flops_per_s"),
+    ):
+        if value >= 1.0:
+            # The fit stops at 1 (a fraction of peak): the steps ran faster than the
+            # base's hardware numbers allow, so the overheads absorbed the rest.
+            print(
+                f"note: the {kind} efficiency is at its limit of 1; the steps ran faster "
+                f"than --base's {numbers} allows: raise it and calibrate again",
+                file=sys.stderr,
+            )
     return 0
 
 
 def _positive(args: argparse.Namespace, *names: str) -> None:
     for name in names:
         if getattr(args, name) <= 0:
-            raise SimulationError(f"--{name} must be > 0")
+            raise SimulationError(f"--{name.replace('_', '-')} must be > 0")
+
+
+def _check_scale(args: argparse.Namespace, params: RooflineParams, *durations: str) -> None:
+    """Refuse a fleet or a stretch of simulated time that would run for hours or exhaust
+    memory, before building anything."""
+    if args.engines > MAX_ENGINES:
+        raise SimulationError(f"--engines must be at most {MAX_ENGINES:,}")
+    if args.engines * params.num_kv_blocks > MAX_FLEET_KV_BLOCKS:
+        raise SimulationError(
+            f"--engines x num_kv_blocks is {args.engines * params.num_kv_blocks:,} blocks; "
+            f"a simulated fleet holds at most {MAX_FLEET_KV_BLOCKS:,}"
+        )
+    for name in durations:
+        if getattr(args, name) + args.drain > MAX_SIMULATED_S:
+            flag = "--" + name.replace("_", "-")
+            raise SimulationError(
+                f"{flag} + --drain is {getattr(args, name) + args.drain:.3g} simulated "
+                f"seconds; a run simulates at most {MAX_SIMULATED_S:,.0f} (a week)"
+            )
 
 
 def _run_one(args: argparse.Namespace) -> int:
     _positive(args, "engines", "duration", "rate")
     params = load_params(args.preset)
+    _check_scale(args, params, "duration")
     spec = three_tier_mix(args.rate, args.duration, seed=args.seed)
     started = time.perf_counter()
     options = SimOptions(drain_s=args.drain, fast_forward=args.fast_forward)
     result = simulate(spec, args.policy, FleetSpec(params, args.engines), options)
     stats = result.stats
+    _note_refused_for_the_cache(spec, params, stats)
     if args.json:
         print(json.dumps(stats.to_dict(), indent=2))
         return 0
@@ -248,12 +291,33 @@ def _run_one(args: argparse.Namespace) -> int:
     return 0
 
 
+def _note_refused_for_the_cache(spec: WorkloadSpec, params: RooflineParams, stats: Any) -> None:
+    """Say on stderr when the engine refused requests as too long: with a small cache
+    that is a property of the preset, not of the policy, and easy to misread."""
+    num_refused = sum(t.rejections.get(INVALID_REQUEST, 0) for t in stats.tiers.values())
+    if not num_refused:
+        return
+    longest = max(t.prompt_len.high + t.output_len.high for t in spec.tiers)
+    # The last sampled token is never fed back, so its KV is never stored.
+    needed = -(-(longest - 1) // params.block_size)
+    if needed <= params.num_kv_blocks:
+        return  # the cache holds every request: they were refused for something else
+    print(
+        f"note: the engine refused {num_refused} requests as {INVALID_REQUEST}: longer than "
+        f"its KV cache of {params.num_kv_blocks * params.block_size:,} tokens "
+        f"(num_kv_blocks x block_size); the workload's longest takes {needed:,} blocks",
+        file=sys.stderr,
+    )
+
+
 def _report(args: argparse.Namespace) -> int:
     from scheduler.sim.report import write_report
 
     _positive(args, "engines", "duration", "suite_duration", "drain")
+    params = load_params(args.preset)
+    _check_scale(args, params, "duration", "suite_duration")
     config = TargetConfig(
-        load_params(args.preset),
+        params,
         num_engines=args.engines,
         duration_s=args.duration,
         drain_s=args.drain,

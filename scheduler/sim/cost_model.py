@@ -14,13 +14,35 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from importlib import resources
 from pathlib import Path
+
+from engine.step_scheduler import SchedulerConfig
 
 
 class CostModelError(ValueError):
     """A parameter file or a calibration set that cannot describe an engine."""
+
+
+# The simulator's model length unless a FleetSpec says otherwise (a long-context model).
+DEFAULT_MAX_MODEL_LEN = 16384
+# Per engine: the simulated block manager holds an object per block (~140 bytes, ~0.7 µs
+# to build); a million blocks is 16 M tokens at 16 per block, beyond any one GPU's cache.
+MAX_KV_BLOCKS = 2**20
+# A preset file is a screen of JSON; reading a huge one would only stall.
+MAX_PARAMS_FILE_BYTES = 2**20
+
+_POSITIVE_NUMBERS = (
+    "num_params",
+    "weight_bytes",
+    "kv_bytes_per_token",
+    "memory_bandwidth_bytes_per_s",
+    "peak_flops_per_s",
+)
+_NON_NEGATIVE_NUMBERS = ("overhead_s", "overhead_per_seq_s", "attention_flops_per_token_pair")
+_FRACTIONS = ("memory_efficiency", "compute_efficiency")
+_COUNTS = ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens")
 
 
 @dataclass(frozen=True)
@@ -74,29 +96,66 @@ class RooflineParams:
     description: str = ""
 
     def __post_init__(self) -> None:
-        positive = (
-            "num_params",
-            "weight_bytes",
-            "kv_bytes_per_token",
-            "memory_bandwidth_bytes_per_s",
-            "peak_flops_per_s",
-            "memory_efficiency",
-            "compute_efficiency",
-            "block_size",
-            "num_kv_blocks",
-            "max_num_seqs",
-            "max_num_batched_tokens",
-        )
-        for name in positive:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise CostModelError(f"{name} must be a number")
-            if not math.isfinite(value) or value <= 0:
+        for name in ("name", "description"):
+            if not isinstance(getattr(self, name), str):
+                raise CostModelError(f"{name} must be a string")
+        for name in _POSITIVE_NUMBERS:
+            if not _number(getattr(self, name)) > 0:
                 raise CostModelError(f"{name} must be a finite number > 0")
-        for name in ("overhead_s", "overhead_per_seq_s", "attention_flops_per_token_pair"):
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        for name in _NON_NEGATIVE_NUMBERS:
+            if not _number(getattr(self, name)) >= 0:
                 raise CostModelError(f"{name} must be a finite number >= 0")
+        for name in _FRACTIONS:
+            # Fractions of the data sheet's peak: above 1 the hardware numbers are wrong.
+            if not 0 < _number(getattr(self, name)) <= 1:
+                raise CostModelError(f"{name} must be a fraction of peak in (0, 1]")
+        for name in _COUNTS:
+            _set_count(self, name, getattr(self, name), allow_none=False)
+        # null is the engine's "no cap beyond the step's token budget" (EngineConfig); the
+        # engine refuses 0, so a 0 here would be a typo, not a setting.
+        _set_count(self, "max_prefill_chunk_tokens", self.max_prefill_chunk_tokens, allow_none=True)
+        if self.num_kv_blocks > MAX_KV_BLOCKS:
+            raise CostModelError(f"num_kv_blocks must be at most {MAX_KV_BLOCKS:,}")
+        try:
+            config = self.scheduler_config(DEFAULT_MAX_MODEL_LEN)
+        except ValueError as exc:  # the limits the real step scheduler refuses
+            raise CostModelError(str(exc)) from None
+        if self.num_kv_blocks <= config.watermark_blocks:
+            # The step scheduler takes a request only while more than the watermark's
+            # blocks are free (StepScheduler.can_accept): such an engine never takes one.
+            raise CostModelError(
+                f"num_kv_blocks must be at least {config.watermark_blocks + 1}: the step "
+                f"scheduler keeps {config.watermark_blocks} blocks free, so a cache of "
+                f"{self.num_kv_blocks} never takes a request"
+            )
+        # The longest step the limits allow (every cached token read, the full token
+        # budget attending to all of them) bounds every step: a time that overflows
+        # would put the virtual clock at infinity.
+        num_cached = self.num_kv_blocks * self.block_size
+        try:
+            longest = self.step_time_s(
+                self.max_num_batched_tokens,
+                num_cached,
+                float(self.max_num_batched_tokens) * num_cached,
+                self.max_num_seqs,
+            )
+        except OverflowError:  # a count beyond any float
+            longest = math.inf
+        if not math.isfinite(longest) or not self.step_time_s(1, 1, 1.0, 1) > 0:
+            raise CostModelError(
+                "the cost model predicts step times that are not finite and > 0; "
+                "check the sizes, rates and efficiencies"
+            )
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        """The real step scheduler's limits for this engine (it validates them)."""
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_prefill_chunk_tokens=self.max_prefill_chunk_tokens or self.max_num_batched_tokens,
+            # As LLMEngine caps it: a request longer than the whole cache can never run.
+            max_model_len=min(max_model_len, self.num_kv_blocks * self.block_size),
+        )
 
     # The two hot paths below run once per simulated step; they are written out flat.
     def memory_time_s(self, num_kv_tokens: int) -> float:
@@ -143,10 +202,36 @@ class RooflineParams:
         unknown = sorted(set(data) - known)
         if unknown:
             raise CostModelError(f"unknown cost model fields: {', '.join(unknown)}")
-        try:
-            return cls(**data)  # type: ignore[arg-type]
-        except TypeError as exc:  # a required field is missing
-            raise CostModelError(str(exc)) from exc
+        required = [
+            f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING
+        ]
+        missing = [name for name in required if name not in data]
+        if missing:
+            raise CostModelError(f"the cost model misses fields: {', '.join(missing)}")
+        return cls(**data)  # type: ignore[arg-type]
+
+
+def _number(value: object) -> float:
+    """A JSON number as a float; NaN (which fails every comparison) for anything else,
+    so that one `not lo < x <= hi` check refuses booleans, strings, NaN and infinities."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return math.nan
+    try:
+        number = float(value)
+    except OverflowError:  # an integer literal beyond any float
+        return math.nan
+    return number if math.isfinite(number) else math.nan
+
+
+def _set_count(params: RooflineParams, name: str, value: object, *, allow_none: bool) -> None:
+    """Check a positive integer field; a whole float (4.8e4) is stored as the int."""
+    if value is None and allow_none:
+        return
+    number = _number(value)
+    if not (number >= 1 and number == int(number)):
+        extra = " or null" if allow_none else ""
+        raise CostModelError(f"{name} must be a whole number >= 1{extra}, got {value!r:.40}")
+    object.__setattr__(params, name, int(value))  # type: ignore[arg-type]
 
 
 PRESETS = ("h200-llama-3.1-8b", "cpu-tiny")
@@ -165,17 +250,45 @@ def load_params(name_or_path: str | Path) -> RooflineParams:
     if str(name_or_path) in PRESETS:
         return load_preset(str(name_or_path))
     path = Path(name_or_path)
+    if path.is_dir():
+        raise CostModelError(f"{path}: is a directory, not a cost model file")
     if not path.is_file():
         raise CostModelError(
             f"{name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a file"
         )
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise CostModelError(f"{path}: not valid JSON ({exc})") from exc
-    if not isinstance(data, dict):
-        raise CostModelError(f"{path}: expected a JSON object")
-    return RooflineParams.from_dict(data)
+        text = read_small_file(path, MAX_PARAMS_FILE_BYTES).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CostModelError(f"{path}: not UTF-8 text ({exc.reason})") from None
+    data = parse_json_object(text, path)
+    try:
+        return RooflineParams.from_dict(data)
+    except CostModelError as exc:
+        raise CostModelError(f"{path}: {exc}") from None
+
+
+def read_small_file(path: Path, max_bytes: int) -> bytes:
+    """The bytes of a file the user named, or a CostModelError saying why not."""
+    try:
+        with path.open("rb") as f:
+            data = f.read(max_bytes + 1)
+    except OSError as exc:
+        raise CostModelError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    if len(data) > max_bytes:
+        raise CostModelError(f"{path}: larger than {max_bytes:,} bytes, not a cost model")
+    return data
+
+
+def parse_json_object(text: str, path: Path | str) -> dict[str, object]:
+    """One JSON object, or a CostModelError naming `path` (a file, or a line of one)."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # bad JSON, absurd nesting
+        reason = str(exc) if isinstance(exc, ValueError) else "nested too deeply"
+        raise CostModelError(f"{path}: not valid JSON ({reason})") from None
+    if not isinstance(value, dict):
+        raise CostModelError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def save_params(params: RooflineParams, path: str | Path) -> None:
@@ -205,17 +318,60 @@ def read_samples(lines: Iterable[str]) -> list[StepSample]:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = parse_json_object(line, f"sample line {lineno}")
             shape = StepShape(
-                int(row["num_batched_tokens"]),
-                int(row["num_kv_tokens"]),
-                row.get("num_attention_pairs"),
-                int(row.get("num_seqs", 0)),
+                _sample_count(row, "num_batched_tokens"),
+                _sample_count(row, "num_kv_tokens"),
+                _sample_pairs(row.get("num_attention_pairs")),
+                _sample_count(row, "num_seqs", 0),
             )
-            samples.append(StepSample(shape, float(row["step_s"])))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CostModelError(f"sample line {lineno}: {exc}") from exc
+            step_s = _number(row.get("step_s"))
+            if not step_s >= 0:
+                raise ValueError("step_s must be a finite number >= 0")
+            samples.append(StepSample(shape, step_s))
+        except ValueError as exc:  # CostModelError included
+            message = str(exc).removeprefix(f"sample line {lineno}: ")
+            raise CostModelError(f"sample line {lineno}: {message}") from None
     return samples
+
+
+def read_samples_file(path: Path) -> list[StepSample]:
+    """`read_samples` of a file the user named; unreadable or not UTF-8 is a CostModelError."""
+    if path.is_dir():
+        raise CostModelError(f"{path}: is a directory, not a samples file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise CostModelError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise CostModelError(f"{path}: not UTF-8 text ({exc.reason})") from None
+    return read_samples(text.splitlines())
+
+
+# Token counts of one measured step; beyond this a count is a typo (and would overflow
+# the float arithmetic of the fit).
+_MAX_SAMPLE_COUNT = 10**12
+
+
+def _sample_count(row: dict[str, object], key: str, default: int | None = None) -> int:
+    if key not in row and default is not None:
+        return default
+    if key not in row:
+        raise ValueError(f"missing {key}")
+    value = row[key]
+    number = _number(value)
+    if not (0 <= number <= _MAX_SAMPLE_COUNT and number == int(number)):
+        raise ValueError(f"{key} must be a whole number >= 0, got {value!r:.40}")
+    return int(number)
+
+
+def _sample_pairs(value: object) -> float | None:
+    if value is None:
+        return None
+    number = _number(value)
+    if not number >= 0:
+        raise ValueError(f"num_attention_pairs must be a finite number >= 0, got {value!r:.40}")
+    return number
 
 
 def fit_roofline(base: RooflineParams, samples: Sequence[StepSample]) -> FitResult:
@@ -252,7 +408,9 @@ def fit_roofline(base: RooflineParams, samples: Sequence[StepSample]) -> FitResu
         )
         return err, overhead, per_seq
 
-    log_lo, log_hi = math.log(1e-4), math.log(2.0)
+    # Efficiencies are fractions of the data sheet's peak, (0, 1] as RooflineParams
+    # requires; a fit pinned at 1 says the base's bandwidth or peak is too low.
+    log_lo, log_hi = math.log(1e-4), 0.0
     lo_m, hi_m, lo_c, hi_c = log_lo, log_hi, log_lo, log_hi
     best = (math.inf, 0.0, 0.0, 1.0, 1.0)
     for _ in range(6):

@@ -18,7 +18,7 @@ from engine.cost_model import StepCostModel
 from engine.phase_rates import PhaseRates
 from engine.request import FinishReason, Priority, Request, SamplingParams
 from engine.step_scheduler import SchedulerConfig, StepPlan, StepScheduler
-from scheduler.sim.cost_model import RooflineParams
+from scheduler.sim.cost_model import DEFAULT_MAX_MODEL_LEN, RooflineParams
 
 # Prompts are token id 1 repeated (all prompts alike would only matter to the prefix
 # cache, which the simulator turns off: sharing is a property of real text).
@@ -65,13 +65,8 @@ class StepOutcome:
 
 
 def scheduler_config(params: RooflineParams, max_model_len: int) -> SchedulerConfig:
-    """The step scheduler limits a preset describes."""
-    return SchedulerConfig(
-        max_num_seqs=params.max_num_seqs,
-        max_num_batched_tokens=params.max_num_batched_tokens,
-        max_prefill_chunk_tokens=params.max_prefill_chunk_tokens or params.max_num_batched_tokens,
-        max_model_len=max_model_len,
-    )
+    """The step scheduler limits a preset describes (max_model_len capped by the cache)."""
+    return params.scheduler_config(max_model_len)
 
 
 class SimEngine:
@@ -84,7 +79,7 @@ class SimEngine:
         mode: EngineMode,
         clock: list[float],
         *,
-        max_model_len: int = 16384,
+        max_model_len: int = DEFAULT_MAX_MODEL_LEN,
         report_outputs: bool = True,
     ) -> None:
         self.engine_id = engine_id

@@ -23,7 +23,7 @@ from scheduler.job import Job
 from scheduler.policy import TierConfig
 from scheduler.sim.admission import INVALID_REQUEST, QUEUE_FULL, QUEUE_TIMEOUT
 from scheduler.sim.baselines import FcfsQueue, FleetQueue, PriorityQueue, VtcQueue
-from scheduler.sim.cost_model import RooflineParams
+from scheduler.sim.cost_model import DEFAULT_MAX_MODEL_LEN, RooflineParams
 from scheduler.sim.engine import EngineMode, SimEngine
 from scheduler.sim.metrics import (
     Collector,
@@ -100,7 +100,7 @@ def make_queue(name: str, tiers: Sequence[TierSpec], clock: list[float]) -> Flee
 class FleetSpec:
     params: RooflineParams
     num_engines: int = 1
-    max_model_len: int = 16384
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN
 
     def __post_init__(self) -> None:
         if self.num_engines < 1:
@@ -315,10 +315,18 @@ class _Fleet:
                 limits.release(req.request_id, 0)
             return
         self.queued[req.request_id] = record
+        # An idle engine that takes nothing from the queue and has nothing to run goes back
+        # on the idle stack: set it aside until the loop ends, or it would be popped again
+        # and again for ever. Each turn then shrinks the queue or the idle stack.
+        passed: list[int] = []
         while self.idle and len(queue):
             index = self.idle.pop()
+            num_queued = len(queue)
             self.pull(self.engines[index], now_s)
             self.start(index, now_s)
+            if len(queue) == num_queued and self.idle and self.idle[-1] == index:
+                passed.append(self.idle.pop())
+        self.idle.extend(reversed(passed))
         if self.runs and len(queue) > len(self.cut):
             self.cut_run(now_s)
 

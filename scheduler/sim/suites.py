@@ -66,6 +66,15 @@ def run_suite(
     name: str, policy: str, params: RooflineParams, *, duration_s: float = 60.0
 ) -> SuiteResult:
     """Run one suite under one policy; the engine is `suite_engine(params)`."""
+    result = _run_suite(name, policy, params, duration_s)
+    if not sum(result.service.values()) > 0:
+        # Nothing served (every request refused, e.g. by a cache too small for them):
+        # equal shares of nothing say nothing about fairness.
+        return replace(result, passed=False)
+    return result
+
+
+def _run_suite(name: str, policy: str, params: RooflineParams, duration_s: float) -> SuiteResult:
     fleet = FleetSpec(suite_engine(params), 1)
     options = SimOptions(drain_s=0.0, sample_interval_s=0.5)
     warm = 0.2 * duration_s
@@ -84,7 +93,9 @@ def run_suite(
             tenants = [TenantSpec(f"w{i}", "interactive", float(i), 1.0) for i in range(1, 5)]
         result = simulate(_spec(tenants, rate, duration_s), policy, fleet, options)
         service = _service(result.trace, warm, duration_s)
-        weighted = [service[t.tenant_id] / t.weight for t in tenants]
+        # A tenant served nothing (every request refused, e.g. a cache too small for
+        # them) is absent from the trace: its service is 0.
+        weighted = [service.get(t.tenant_id, 0.0) / t.weight for t in tenants]
         if name == "weighted":
             mean = sum(weighted) / len(weighted)
             error = max(abs(w / mean - 1.0) for w in weighted) if mean > 0 else 1.0

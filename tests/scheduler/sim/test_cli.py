@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -82,3 +85,199 @@ def test_registers_under_another_cli_with_func(capsys) -> None:
     args = parser.parse_args(["simulate", "presets"])
     assert args.func(args) == 0
     assert "cpu-tiny" in capsys.readouterr().out
+
+
+def _preset(tmp_path: Path, **changes: object) -> str:
+    """The H200 preset as a user-edited file, with `changes` (a value of ... drops it)."""
+    data = {**load_preset("h200-llama-3.1-8b").to_dict(), **changes}
+    path = tmp_path / "q.json"
+    path.write_text(json.dumps({k: v for k, v in data.items() if v is not ...}))
+    return str(path)
+
+
+def test_a_kv_cache_too_small_for_any_request_is_refused_not_a_hang(tmp_path) -> None:
+    # The reported command; before, the engine never took a request and the fleet asked
+    # it again for ever. Run as a process so that a hang fails the test, not the session.
+    preset = _preset(tmp_path, num_kv_blocks=2)
+    argv = ["run", "--preset", preset, "--rate", "5", "--duration", "5"]
+    done = subprocess.run(
+        [sys.executable, "-m", "scheduler.sim.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        f"error: {preset}: num_kv_blocks must be at least 3: the step scheduler keeps 2 "
+        "blocks free, so a cache of 2 never takes a request"
+    ]
+
+
+def test_requests_the_cache_can_never_hold_are_refused_as_the_engine_does(tmp_path, capsys) -> None:
+    # 3 blocks of 16 hold no request of the mix: the real engine refuses each one
+    # (the dispatcher fails it as invalid_request), and says why.
+    argv = ["run", "--preset", _preset(tmp_path, num_kv_blocks=3), "--rate", "5", "--json"]
+    assert main([*argv, "--duration", "5"]) == 0
+    out, err = capsys.readouterr()
+    tiers = json.loads(out)["tiers"]
+    assert all(t["rejections"] == {"invalid_request": t["num_offered"]} for t in tiers.values())
+    assert "KV cache of 48 tokens" in err
+    assert "the workload's longest takes 480 blocks" in err
+
+
+BAD_PRESETS = {
+    "efficiency above 1": {"memory_efficiency": 1e308},
+    "efficiency 0": {"compute_efficiency": 0},
+    "missing fields": {"num_params": ..., "peak_flops_per_s": ...},
+    "fractional count": {"block_size": 16.5},
+    "boolean count": {"max_num_seqs": True},
+    "boolean number": {"overhead_s": True},
+    "chunk cap 0": {"max_prefill_chunk_tokens": 0},
+    "budget below seqs": {"max_num_batched_tokens": 1},
+}
+
+
+@pytest.mark.parametrize("command", ["run", "report", "calibrate"])
+@pytest.mark.parametrize("change", BAD_PRESETS)
+def test_every_command_refuses_a_bad_preset_in_one_line(
+    tmp_path, capsys, monkeypatch, command: str, change: str
+) -> None:
+    # Refused before any simulation: one running would be a missed check.
+    monkeypatch.setattr("scheduler.sim.cli.simulate", _no_simulation)
+    monkeypatch.setattr("scheduler.sim.cli.run_experiment", _no_simulation)
+    preset = _preset(tmp_path, **BAD_PRESETS[change])
+    argv = {
+        "run": ["run", "--rate", "5", "--duration", "5", "--preset", preset],
+        "report": ["report", "--out", str(tmp_path / "r"), "--preset", preset],
+        "calibrate": ["calibrate", "--samples", "x", "--out", "y", "--base", preset],
+    }[command]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1
+    assert err.startswith(f"error: {preset}: ")
+    if change == "missing fields":
+        assert err.endswith("the cost model misses fields: num_params, peak_flops_per_s\n")
+
+
+def _no_simulation(*args: object, **kwargs: object) -> None:
+    raise AssertionError("the command simulated instead of refusing its input")
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        ("{nope", "not valid JSON"),
+        ('["a", "list"]', "expected a JSON object, got list"),
+        ('{"warp": NaN}', "unknown cost model fields: warp"),
+        (None, "is a directory"),
+        (b"\xff\xfe", "not UTF-8 text"),
+    ],
+)
+def test_a_preset_file_that_is_no_cost_model_is_one_line(
+    tmp_path, capsys, content: str | bytes | None, expected: str
+) -> None:
+    path = tmp_path / "p.json"
+    if content is None:
+        path.mkdir()
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+    assert main(["run", "--rate", "5", "--duration", "5", "--preset", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1
+    assert err.startswith("error: ")
+    assert expected in err
+
+
+def test_a_nan_literal_in_a_preset_names_its_field(tmp_path, capsys) -> None:
+    path = Path(_preset(tmp_path, weight_bytes=123456789))
+    path.write_text(path.read_text().replace("123456789", "NaN"))
+    assert main(["run", "--rate", "5", "--preset", str(path)]) == 2
+    assert "weight_bytes must be a finite number > 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (None, "is a directory"),
+        (b"\xff\xfe", "not UTF-8 text"),
+        (b'{"num_batched_tokens": 4, "num_kv_tokens": 1e999, "step_s": 1}', "num_kv_tokens"),
+    ],
+)
+def test_calibrate_refuses_samples_that_are_no_steps_in_one_line(
+    tmp_path, capsys, content: bytes | None, expected: str
+) -> None:
+    samples = tmp_path / "steps.jsonl"
+    if content is None:
+        samples.mkdir()
+    else:
+        samples.write_bytes(content)
+    out = tmp_path / "fitted.json"
+    assert main(["calibrate", "--samples", str(samples), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1
+    assert expected in err
+    assert not out.exists()
+
+
+def test_calibrate_writes_efficiencies_within_peak_and_says_when_one_is_pinned(
+    tmp_path, capsys
+) -> None:
+    # Steps faster than cpu-tiny's bandwidth allows; the fit would want an efficiency of 3.
+    base = load_preset("cpu-tiny")
+    truth = replace(
+        base,
+        memory_bandwidth_bytes_per_s=3 * base.memory_bandwidth_bytes_per_s,
+        memory_efficiency=1.0,
+    )
+    lines = []
+    for n in (1, 2, 4, 8, 16, 32):
+        shape = StepShape(n, n * 100)
+        row = {"num_batched_tokens": n, "num_kv_tokens": n * 100}
+        lines.append(json.dumps({**row, "step_s": truth.shape_time_s(shape)}))
+    samples = tmp_path / "steps.jsonl"
+    samples.write_text("\n".join(lines))
+    out = tmp_path / "fitted.json"
+    assert main(["calibrate", "--samples", str(samples), "--out", str(out)]) == 0
+    assert "memory efficiency is at its limit of 1" in capsys.readouterr().err
+    assert load_params(out).memory_efficiency == 1.0
+    # The written file is a preset every command takes.
+    assert main(["run", "--rate", "2", "--duration", "2", "--preset", str(out), "--json"]) == 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["run", "--rate", "0.001", "--duration", "1e9"], "a run simulates at most"),
+        (["run", "--rate", "1", "--duration", "600000", "--drain", "10000"], "at most"),
+        (["run", "--rate", "1", "--engines", "100000"], "--engines must be at most"),
+        (["run", "--rate", "1", "--engines", "1000"], "a simulated fleet holds at most"),
+        (["report", "--duration", "1e9", "--out", "r"], "a run simulates at most"),
+        (["report", "--suite-duration", "1e9", "--out", "r"], "--suite-duration + --drain"),
+    ],
+)
+def test_runs_too_long_or_too_large_to_simulate_are_refused_up_front(
+    capsys, monkeypatch, argv: list[str], expected: str
+) -> None:
+    # --duration 1e9 at a tiny rate was ~10^9 idle samples: hours, and memory for each.
+    monkeypatch.setattr("scheduler.sim.cli.simulate", _no_simulation)
+    monkeypatch.setattr("scheduler.sim.cli.run_experiment", _no_simulation)
+    assert main(argv) == 2
+    assert expected in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"max_num_seqs": 1},
+        {"max_num_seqs": 1, "max_num_batched_tokens": 1},
+        {"block_size": 1},
+        {"max_prefill_chunk_tokens": 1},
+        {"max_prefill_chunk_tokens": None},
+    ],
+)
+def test_extreme_but_valid_limits_finish(tmp_path, capsys, changes: dict[str, object]) -> None:
+    argv = ["run", "--preset", _preset(tmp_path, **changes), "--json", "--drain", "0"]
+    assert main([*argv, "--rate", "5", "--duration", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["num_steps"] > 0

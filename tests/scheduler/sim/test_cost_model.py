@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -138,3 +139,157 @@ def test_per_sequence_overhead_adds_to_every_step() -> None:
         ['{"num_batched_tokens": 4, "num_kv_tokens": 40, "step_s": 0.01, "num_seqs": 4}']
     )
     assert rows[0].shape.num_seqs == 4
+
+
+def _params_file(tmp_path, **changes: object):
+    """cpu-tiny's parameter file with `changes` (a value of ... drops the field)."""
+    data = {**load_preset("cpu-tiny").to_dict(), **changes}
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({k: v for k, v in data.items() if v is not ...}))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("memory_efficiency", 1e308),
+        ("memory_efficiency", 1.01),
+        ("compute_efficiency", 0),
+        ("compute_efficiency", -0.5),
+        ("compute_efficiency", True),
+        ("memory_efficiency", "0.5"),
+    ],
+)
+def test_efficiencies_are_fractions_of_peak(tmp_path, field: str, value: object) -> None:
+    with pytest.raises(CostModelError, match=rf"{field} must be a fraction of peak in \(0, 1\]"):
+        load_params(_params_file(tmp_path, **{field: value}))
+    assert getattr(load_params(_params_file(tmp_path, **{field: 1})), field) == 1
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("block_size", 16.5),
+        ("block_size", True),
+        ("num_kv_blocks", 0),
+        ("max_num_seqs", "8"),
+        ("max_num_batched_tokens", 10**400),
+        # The engine's own config refuses 0; None (null) is its "no cap".
+        ("max_prefill_chunk_tokens", 0),
+        ("max_prefill_chunk_tokens", False),
+    ],
+    ids=lambda value: repr(value)[:24],
+)
+def test_counts_must_be_whole_numbers(tmp_path, field: str, value: object) -> None:
+    with pytest.raises(CostModelError, match=f"{field} must be a whole number >= 1"):
+        load_params(_params_file(tmp_path, **{field: value}))
+
+
+def test_whole_floats_are_counts_and_null_is_no_chunk_cap(tmp_path) -> None:
+    params = load_params(_params_file(tmp_path, num_kv_blocks=2.048e3, block_size=16.0))
+    assert params.num_kv_blocks == 2048
+    assert type(params.num_kv_blocks) is int
+    assert type(params.block_size) is int
+    params = load_params(_params_file(tmp_path, max_prefill_chunk_tokens=None))
+    assert params.scheduler_config(4096).max_prefill_chunk_tokens == params.max_num_batched_tokens
+
+
+@pytest.mark.parametrize(
+    ("literal", "field"),
+    [("NaN", "num_params"), ("Infinity", "weight_bytes"), ("-Infinity", "overhead_s")],
+)
+def test_nan_and_infinity_literals_are_refused(tmp_path, literal: str, field: str) -> None:
+    # Python's json reads these non-standard literals as floats.
+    path = _params_file(tmp_path, **{field: 123456789})
+    path.write_text(path.read_text().replace("123456789", literal))
+    with pytest.raises(CostModelError, match=f"{field} must be a finite number"):
+        load_params(path)
+
+
+def test_missing_fields_are_all_named(tmp_path) -> None:
+    path = _params_file(tmp_path, num_params=..., peak_flops_per_s=...)
+    with pytest.raises(CostModelError) as raised:
+        load_params(path)
+    assert str(raised.value) == (
+        f"{path}: the cost model misses fields: num_params, peak_flops_per_s"
+    )
+
+
+def test_limits_no_engine_could_run_are_refused(tmp_path) -> None:
+    # The step scheduler admits only while more than its 2 watermark blocks are free.
+    with pytest.raises(CostModelError, match="num_kv_blocks must be at least 3"):
+        load_params(_params_file(tmp_path, num_kv_blocks=2))
+    assert load_params(_params_file(tmp_path, num_kv_blocks=3)).num_kv_blocks == 3
+    with pytest.raises(CostModelError, match="max_num_batched_tokens must be >= max_num_seqs"):
+        load_params(_params_file(tmp_path, max_num_batched_tokens=1))
+    with pytest.raises(CostModelError, match="at most"):
+        load_params(_params_file(tmp_path, num_kv_blocks=10**9))
+    with pytest.raises(CostModelError, match="step times that are not finite"):
+        load_params(_params_file(tmp_path, num_params=1e308))
+    with pytest.raises(CostModelError, match="name must be a string"):
+        load_params(_params_file(tmp_path, name=5))
+
+
+def test_the_model_length_is_capped_by_the_cache_as_in_the_engine() -> None:
+    params = replace(load_preset("cpu-tiny"), num_kv_blocks=4, block_size=16)
+    assert params.scheduler_config(16384).max_model_len == 64
+    assert load_preset("cpu-tiny").scheduler_config(2048).max_model_len == 2048
+
+
+def test_files_that_are_not_cost_models_raise_typed_errors(tmp_path, monkeypatch) -> None:
+    with pytest.raises(CostModelError, match="is a directory"):
+        load_params(tmp_path)
+    path = tmp_path / "p.json"
+    for text, match in [
+        ("[1, 2]", "expected a JSON object, got list"),
+        ("", "not valid JSON"),
+        ("[" * 100_000, "not valid JSON"),
+        (" " * (2**20 + 1), "larger than"),
+    ]:
+        path.write_text(text)
+        with pytest.raises(CostModelError, match=match):
+            load_params(path)
+    path.write_bytes(b'{"name": "\xff"}')
+    with pytest.raises(CostModelError, match="not UTF-8"):
+        load_params(path)
+
+    def unreadable(*args: object, **kwargs: object) -> object:
+        raise PermissionError(13, "Permission denied")
+
+    # Tests may run as root, whom file modes do not stop.
+    monkeypatch.setattr(Path, "open", unreadable)
+    with pytest.raises(CostModelError, match=r"cannot read it \(Permission denied\)"):
+        load_params(path)
+
+
+@pytest.mark.parametrize(
+    ("line", "match"),
+    [
+        ('{"num_batched_tokens": 4, "num_kv_tokens": 1e999, "step_s": 1}', "num_kv_tokens"),
+        ('{"num_batched_tokens": true, "num_kv_tokens": 4, "step_s": 1}', "num_batched_tokens"),
+        ('{"num_batched_tokens": 4, "num_kv_tokens": 4, "step_s": NaN}', "step_s"),
+        ('{"num_batched_tokens": 4, "num_kv_tokens": 4, "step_s": 1, "num_seqs": -1}', "num_seqs"),
+        (
+            '{"num_batched_tokens": 4, "num_kv_tokens": 4, "step_s": 1, '
+            '"num_attention_pairs": "x"}',
+            "num_attention_pairs",
+        ),
+        ("[1]", "expected a JSON object"),
+    ],
+)
+def test_sample_lines_that_are_no_step_are_refused(line: str, match: str) -> None:
+    with pytest.raises(CostModelError, match=f"sample line 2: .*{match}"):
+        read_samples(['{"num_batched_tokens": 4, "num_kv_tokens": 40, "step_s": 0.01}', line])
+
+
+def test_the_fit_keeps_efficiencies_within_peak(tmp_path) -> None:
+    # Steps three times faster than the base's bandwidth allows: the best fit would be a
+    # memory efficiency of 3; it stops at 1, so the fitted file loads again.
+    base = load_preset("cpu-tiny")
+    truth = replace(base, memory_bandwidth_bytes_per_s=3 * base.memory_bandwidth_bytes_per_s)
+    truth = replace(truth, memory_efficiency=1.0, compute_efficiency=1.0)
+    shapes = [StepShape(n, n * 100) for n in (1, 2, 4, 8, 16, 32)]
+    fitted = fit_roofline(base, [StepSample(s, truth.shape_time_s(s)) for s in shapes]).params
+    assert fitted.memory_efficiency == 1.0
+    save_params(fitted, tmp_path / "fitted.json")
+    assert load_params(tmp_path / "fitted.json") == fitted

@@ -6,7 +6,9 @@ from dataclasses import replace
 
 import pytest
 
+from engine.errors import ContextLengthExceededError
 from scheduler.sim.cost_model import load_preset
+from scheduler.sim.engine import EngineMode, SimEngine
 from scheduler.sim.fleet import POLICIES, FleetSpec, SimOptions, SimulationError, simulate
 from scheduler.sim.workload import (
     LengthDist,
@@ -210,3 +212,40 @@ def test_fast_forward_keeps_the_decode_pauses_of_a_tight_tpot_slo() -> None:
         assert fast[request_id].first_token_s == pytest.approx(record.first_token_s, abs=1e-9)
         assert fast[request_id].finish_s == pytest.approx(record.finish_s, abs=1e-9)
     assert runs[0].stats.num_steps == runs[1].stats.num_steps
+
+
+def test_an_idle_engine_that_takes_nothing_does_not_stall_arrivals(monkeypatch) -> None:
+    # An engine that never accepts (2 KV blocks, all held back by the watermark; a preset
+    # file may not say so any more, so the check is bypassed) stays idle with the queue
+    # full. An arrival offered it the queue again and again for ever; now it is passed
+    # over once and the jobs wait in the queue until the run ends.
+    params = load_preset("cpu-tiny")
+    object.__setattr__(params, "num_kv_blocks", 2)
+    calls = []
+    start_step = SimEngine.start_step
+
+    def counted(self: SimEngine) -> float | None:
+        calls.append(1)
+        if len(calls) > 10_000:
+            raise AssertionError("the fleet keeps asking an idle engine to step")
+        return start_step(self)
+
+    monkeypatch.setattr(SimEngine, "start_step", counted)
+    spec = three_tier_mix(5, 2, seed=1)
+    result = simulate(spec, "fcfs", FleetSpec(params, 2), SimOptions(drain_s=1.0))
+    tiers = result.stats.tiers.values()
+    assert sum(t.num_offered for t in tiers) > 0
+    assert sum(t.num_finished for t in tiers) == 0
+    assert len(calls) <= 2 * sum(t.num_offered for t in tiers)
+
+
+def test_a_request_longer_than_the_cache_exceeds_the_context_as_in_the_engine() -> None:
+    # LLMEngine caps max_model_len at its cache (num_blocks x block_size); so does the
+    # simulated engine, and the refusal is the same typed error.
+    params = replace(load_preset("cpu-tiny"), num_kv_blocks=4, block_size=16)
+    engine = SimEngine("e", params, EngineMode(), [0.0])
+    common = {"rank": 0, "tenant": "t", "arrival_s": 0.0, "ttft_slo_ms": None}
+    common |= {"tpot_slo_ms": None, "preemptible": False}
+    engine.add("fits", num_prompt_tokens=40, num_output_tokens=24, **common)
+    with pytest.raises(ContextLengthExceededError):
+        engine.add("long", num_prompt_tokens=40, num_output_tokens=25, **common)

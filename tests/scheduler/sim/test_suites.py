@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from scheduler.sim.cost_model import load_preset
@@ -36,3 +38,12 @@ def test_proportional_demand_gets_equal_service_only_with_fair_share() -> None:
 def test_unknown_suite_raises() -> None:
     with pytest.raises(ValueError, match="unknown suite"):
         run_suite("musical-chairs", "tiered", H200)
+
+
+def test_a_suite_whose_requests_the_cache_refuses_fails_instead_of_crashing() -> None:
+    # 3 blocks of 16 hold none of the suite's requests: every tenant is served nothing
+    # and is absent from the trace (a KeyError before).
+    tiny = replace(H200, num_kv_blocks=3)
+    result = run_suite("two-overloaded", "tiered", tiny, duration_s=2)
+    assert result.service == {}
+    assert not result.passed
