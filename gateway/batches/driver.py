@@ -33,6 +33,7 @@ from gateway.batches.store import (
     CANCELLING,
     COMPLETED,
     EXPIRED,
+    FAILED,
     FINALIZING,
     IN_PROGRESS,
     VALIDATING,
@@ -57,12 +58,19 @@ class DriverConfig:
 
     lease_s: float = 10.0  # a dead owner's batches are taken over after this
     poll_s: float = 1.0  # how often unowned batches are looked for
-    max_batches: int = 8  # batches this gateway drives at once
+    # Batches this gateway drives at once, and at most per tenant across the fleet: one
+    # tenant's many batches leave room for others' (the queue then shares the engines
+    # between their lines by weight).
+    max_batches: int = 32
+    max_batches_per_tenant: int = 4
     max_in_flight: int = 64  # lines of one batch submitted at once (the tier may lower it)
     # A queue that refuses a line (its tier's cap is reached, Redis is away) is asked
     # again after this long; the refused lines stay pending and go first then.
     refused_backoff_s: float = 0.5
     failure_backoff_s: float = 0.5  # the first pause after a failed drive of a batch
+    # Failed drives in a row after which the batch is failed: an error that persists
+    # (a bug, data the database refuses) would otherwise retry it until its window ends.
+    max_drive_failures: int = 5
     limits: ValidationLimits = field(default_factory=ValidationLimits)
 
     @property
@@ -125,7 +133,10 @@ class BatchDriver:
             if num_free > 0:
                 try:
                     claimed = await self._store.claim(
-                        self.owner_id, self.config.lease_s, limit=num_free
+                        self.owner_id,
+                        self.config.lease_s,
+                        limit=num_free,
+                        per_tenant=self.config.max_batches_per_tenant,
                     )
                 except Exception:
                     log.exception("claiming batches failed; retrying")
@@ -157,6 +168,9 @@ class BatchDriver:
             pause_s = min(
                 self.config.failure_backoff_s * 2 ** (num_failures - 1), self.config.lease_s
             )
+            if num_failures >= self.config.max_drive_failures and await run.give_up():
+                self._failures.pop(batch_id, None)
+                pause_s = 0.0  # ended: no one is to retry it
         finally:
             try:
                 await run.stop_lines()
@@ -216,6 +230,10 @@ class _BatchRun:
                     return False
                 if self.is_engine_dead:
                     return False  # released: a gateway with a live engine takes it over
+                if self.is_suspended and not self.in_flight:
+                    # Released: a paused batch would only hold a slot. The claim passes
+                    # it over until its tenant is active again (or its window ends).
+                    return False
                 if not await self._advance(batch):
                     await self.store.begin_finalizing(self.batch_id, self.owner)
                     continue
@@ -389,6 +407,24 @@ class _BatchRun:
             for task in stuck:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def give_up(self) -> bool:
+        """Fail the batch after repeated failed drives; False if that failed too."""
+        try:
+            batch = await self.store.get_batch(self.batch_id)
+            if batch is None or batch.owner != self.owner:
+                return False
+            message = "The batch could not be processed; see the server log."
+            if batch.status == VALIDATING:
+                error = LineError("batch_failed", message)
+                return await self.store.store_validation(self.batch_id, self.owner, [], [error])
+            await self.stop_lines()
+            return await self.store.finish_batch(
+                self.batch_id, self.owner, final_status=FAILED, close_code="batch_failed"
+            )
+        except Exception:
+            log.exception("failing batch %s failed too", self.batch_id)
+            return False
 
     async def _finish(self, final_status: str, close_code: str | None) -> None:
         await self.store.finish_batch(

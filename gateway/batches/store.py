@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import and_, delete, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
-from sqlalchemy.orm import defer
+from sqlalchemy.orm import aliased, defer
 
 from gateway.batches.validation import InputLine, LineError
 from gateway.db.batch_models import (
@@ -245,21 +245,44 @@ class BatchStore:
 
     # The lease -----------------------------------------------------------------------
 
-    async def claim(self, owner: str, lease_s: float, *, limit: int) -> list[str]:
-        """Take the lease of up to `limit` active batches that have no live owner."""
+    async def claim(
+        self, owner: str, lease_s: float, *, limit: int, per_tenant: int | None = None
+    ) -> list[str]:
+        """Take the lease of up to `limit` active batches that have no live owner.
+
+        Tenants with the fewest batches driven (anywhere in the fleet) go first, then
+        the oldest batch; a tenant already driving `per_tenant` batches waits, so one
+        tenant's backlog of batches slows the others instead of holding every slot.
+        A suspended tenant's batches are left alone (they would only hold a slot) until
+        it is active again or they are past their window, when they are claimed to end.
+        """
         now = utcnow()
         free = or_(BatchRow.owner.is_(None), BatchRow.lease_expires_at < now)
-        async with self._sessionmaker() as session:
-            candidates = list(
-                (
-                    await session.scalars(
-                        select(BatchRow.id)
-                        .where(BatchRow.status.in_(ACTIVE_STATUSES), free)
-                        .order_by(BatchRow.created_at)
-                        .limit(limit)
-                    )
-                ).all()
+        driven = aliased(BatchRow)
+        num_driven = (
+            select(func.count())
+            .where(
+                driven.tenant_id == BatchRow.tenant_id,
+                driven.status.in_(ACTIVE_STATUSES),
+                driven.owner.is_not(None),
+                driven.lease_expires_at >= now,
             )
+            .correlate(BatchRow)
+            .scalar_subquery()
+        )
+        runnable = or_(Tenant.status == "active", BatchRow.expires_at < now)
+        query = (
+            select(BatchRow.id)
+            .join(Tenant, Tenant.id == BatchRow.tenant_id)
+            .where(BatchRow.status.in_(ACTIVE_STATUSES), free, runnable)
+            .order_by(num_driven, BatchRow.created_at)
+            .limit(limit)
+        )
+        if per_tenant is not None:
+            # Soft: two drivers claiming at once may both take a tenant's last place.
+            query = query.where(num_driven < per_tenant)
+        async with self._sessionmaker() as session:
+            candidates = list((await session.scalars(query)).all())
         claimed = []
         for batch_id in candidates:
             async with self._sessionmaker() as session, session.begin():
@@ -428,6 +451,7 @@ class BatchStore:
 
 _CLOSE_MESSAGES = {
     "batch_cancelled": "The batch was cancelled before this request finished.",
+    "batch_failed": "The batch failed before this request finished.",
     "batch_expired": "This request did not finish before the batch's completion window ended.",
 }
 

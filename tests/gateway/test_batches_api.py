@@ -19,6 +19,7 @@ import openai
 import pytest
 from sqlalchemy import select, text
 
+from gateway.batches import DriverConfig
 from gateway.db.models import UsageRow
 from gateway.db.session import create_db_engine, create_sessionmaker
 from tests.gateway.conftest import paced_tier
@@ -514,6 +515,7 @@ def test_a_suspended_tenants_batch_pauses_and_resumes(live_server: LiveServer) -
         paused = _line_counts(live_server, batch_id)
         time.sleep(2.0)
         assert _line_counts(live_server, batch_id) == paused  # nothing more ran
+        assert _owner(live_server, batch_id) is None  # paused, it holds no driver slot
         assert paused["done"] < n
         admin.patch(f"/tenants/{tenant_id}", json={"status": "active"}).raise_for_status()
     batch = _wait(client, batch_id)
@@ -526,6 +528,40 @@ def _until_completed(client: openai.OpenAI, batch_id: str, num_lines: int) -> No
     while client.batches.retrieve(batch_id).request_counts.completed < num_lines:
         assert time.monotonic() < deadline
         time.sleep(0.05)
+
+
+def _owner(live_server: LiveServer, batch_id: str) -> str | None:
+    async def owner() -> str | None:
+        engine = create_db_engine(live_server.database_url)
+        try:
+            async with create_sessionmaker(engine)() as session:
+                query = text("SELECT owner FROM batches WHERE id = :b")
+                return (await session.execute(query, {"b": batch_id})).scalar_one()
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(owner())
+
+
+def test_one_tenants_many_batches_leave_room_for_anothers(live_server: LiveServer) -> None:
+    # Before, a gateway drove 8 batches oldest first: a tenant with 8 running batches
+    # kept every other tenant's batch validating until one of its own ended.
+    with live_server.admin() as admin:
+        busy = live_server.client(_tenant_key(live_server, paced_tier(admin)))
+    other = live_server.client(_tenant_key(live_server, "batch"))
+    backlog = [_submit(busy, _long_lines(10)).id for _ in range(DriverConfig().max_batches + 1)]
+    try:
+        late = _wait(other, _submit(other, [_chat_line("late")]).id, timeout_s=60)
+        assert late.status == "completed"
+        statuses = [busy.batches.retrieve(b).status for b in backlog]
+        assert "completed" not in statuses, "the busy tenant's batches ran out; lengthen them"
+        # At most its share of the driver is running; the rest wait their turn.
+        assert statuses.count("in_progress") <= DriverConfig().max_batches_per_tenant
+    finally:
+        for batch_id in backlog:
+            busy.batches.cancel(batch_id)
+        for batch_id in backlog:
+            _wait(busy, batch_id)
 
 
 def _line_counts(live_server: LiveServer, batch_id: str) -> dict[str, int]:
