@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.cost_model import StepCostModel
-from engine.errors import ContextLengthExceededError, InvalidRequestError
+from engine.errors import ContextLengthExceededError, InvalidRequestError, ModelLoadError
 from engine.model_runner import ModelRunner, kv_cache_budget_bytes, num_kv_blocks
 from engine.models import load_model
 from engine.phase_rates import PhaseRates
@@ -154,6 +154,13 @@ class LLMEngine:
             )
         except ValueError as exc:
             raise InvalidRequestError(f"bad engine configuration: {exc}") from exc
+        if num_blocks <= scheduler_config.watermark_blocks:
+            # The scheduler takes a request only while more blocks than the watermark are
+            # free: such an engine would start and then never take any work.
+            raise ModelLoadError(
+                f"the KV cache budget holds {num_blocks} blocks; at least "
+                f"{scheduler_config.watermark_blocks + 1} are needed (raise kv_cache_bytes)"
+            )
         self.block_manager = BlockManager(
             num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )

@@ -16,9 +16,13 @@ import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gateway.errors import GatewayError
 from gateway.settings import Settings, SettingsError, settings_from_env
+
+if TYPE_CHECKING:
+    from scheduler.dispatcher import EngineLike
 
 log = logging.getLogger("tiergate")
 
@@ -259,9 +263,21 @@ def _serve(args: argparse.Namespace) -> int:
         if generated:
             settings = settings.with_overrides(admin_token=secrets.token_urlsafe(32))
         print(_demo_banner(settings, asyncio.run(_demo_tenants(settings)), generated), flush=True)
-    app = build_app(settings, prepare_heap=True)
+    app = build_app(settings, engine=_load_engine(settings), prepare_heap=True)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", access_log=False)
     return 0
+
+
+def _load_engine(settings: Settings) -> EngineLike:
+    """The engine, loaded before the server starts: a model or cache setting it cannot
+    run with is then one line, not a traceback from the server's start-up."""
+    from engine.errors import EngineError
+    from gateway.app import build_engine
+
+    try:
+        return build_engine(settings)
+    except EngineError as exc:
+        raise SettingsError(f"cannot start the engine: {exc}") from None
 
 
 def _gateway(args: argparse.Namespace) -> int:
@@ -280,7 +296,6 @@ def _gateway(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from gateway.app import build_engine
     from gateway.heap import prepare_heap_for_serving
     from gateway.queue_setup import build_queue
     from scheduler.dispatcher import DispatcherConfig
@@ -304,7 +319,7 @@ def _worker(args: argparse.Namespace) -> int:
         queue = build_queue(settings.redis_url, settings.redis_prefix)
         stop = asyncio.Event()
         stop_on_signals(stop)
-        engine = await asyncio.to_thread(build_engine, settings)
+        engine = await asyncio.to_thread(_load_engine, settings)
         prepare_heap_for_serving()
         try:
             await run_worker(queue.backend, engine, stop, worker_id=args.worker_id, config=config)

@@ -33,6 +33,15 @@ def test_a_budget_below_one_block_is_a_load_error() -> None:
         ModelRunner(loaded, block_size=16, num_blocks=0)
 
 
+def test_a_cache_no_larger_than_the_watermark_is_a_load_error() -> None:
+    # The scheduler keeps 2 blocks free: an engine of 2 blocks would start and never
+    # take a request, so every request sent to it would wait for ever.
+    bytes_per_block = 2 * 4 * 2 * 32 * 4 * 16
+    with pytest.raises(ModelLoadError, match="at least 3"):
+        LLM("tiny-random", device="cpu", kv_cache_bytes=2 * bytes_per_block)
+    assert LLM("tiny-random", device="cpu", kv_cache_bytes=3 * bytes_per_block).engine
+
+
 def test_the_context_window_shrinks_to_the_kv_cache() -> None:
     bytes_per_block = 2 * 4 * 2 * 32 * 4 * 16
     llm = LLM("tiny-random", device="cpu", kv_cache_bytes=8 * bytes_per_block, max_num_seqs=4)

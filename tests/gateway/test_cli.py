@@ -215,8 +215,10 @@ def test_serve_demo_prints_working_keys(tmp_path: Path) -> None:
         (["serve", "--model", "/nonexistent"], {}, "checkpoint directory"),
         (["worker", "--redis-url", "redis://127.0.0.1:1/0"], {}, "cannot reach Redis"),
         (["serve"], {"TIERGATE_METRICS_TOP_TENANTS": "abc"}, "TIERGATE_METRICS_TOP_TENANTS"),
+        # Two blocks of tiny-random: an engine that would start and never take a request.
+        (["serve"], {"TIERGATE_KV_CACHE_BYTES": str(2 * 16384)}, "at least 3 are needed"),
     ],
-    ids=["database", "redis", "model", "worker-redis", "telemetry"],
+    ids=["database", "redis", "model", "worker-redis", "telemetry", "kv-cache"],
 )
 def test_what_would_fail_at_start_up_is_one_message(
     tmp_path: Path, argv: list[str], env: dict[str, str], message: str
