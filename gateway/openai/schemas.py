@@ -102,15 +102,13 @@ def _options(data: dict[str, Any], *, chat: bool) -> GenerationOptions:
     if not model:
         raise InvalidRequestError("model must not be empty.", param="model")
     max_tokens = _optional(data, "max_tokens", int)
-    if chat:
-        # max_completion_tokens is the newer name and wins when both are given.
-        newer = _optional(data, "max_completion_tokens", int)
-        if newer is not None:
-            max_tokens = newer
+    # max_completion_tokens is the newer name and wins when both are given (a null one
+    # is not given: the value checked, and named in an error, is max_tokens then).
+    newer = _optional(data, "max_completion_tokens", int) if chat else None
+    if newer is not None:
+        max_tokens = newer
     if max_tokens is not None and max_tokens < 1:
-        param = (
-            "max_completion_tokens" if chat and "max_completion_tokens" in data else "max_tokens"
-        )
+        param = "max_tokens" if newer is None else "max_completion_tokens"
         raise InvalidRequestError(f"{param} must be at least 1.", param=param)
     temperature = _number(data, "temperature", default=1.0)
     if not 0.0 <= temperature <= MAX_TEMPERATURE:

@@ -157,6 +157,13 @@ def test_chat_max_completion_tokens_errors_name_it() -> None:
             _body(model="m", messages=[{"role": "user", "content": "x"}], max_completion_tokens=0)
         )
     assert info.value.param == "max_completion_tokens"
+    # A null max_completion_tokens is not given: the bad value is max_tokens.
+    messages = [{"role": "user", "content": "x"}]
+    with pytest.raises(InvalidRequestError) as info:
+        parse_chat_request(
+            _body(model="m", messages=messages, max_tokens=0, max_completion_tokens=None)
+        )
+    assert info.value.param == "max_tokens"
 
 
 @pytest.mark.parametrize(
