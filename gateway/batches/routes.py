@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy.exc import IntegrityError
 from starlette.datastructures import UploadFile
@@ -36,6 +37,8 @@ FILE_PURPOSES = ("batch",)
 BATCH_TIER = "batch"
 DEFAULT_PAGE_SIZE = 20
 MAX_PAGE_SIZE = 100
+# Files list as OpenAI's do: up to 10,000 per page, all of them by default.
+DEFAULT_FILE_PAGE_SIZE = 10_000
 MAX_FILENAME_CHARS = 255
 
 
@@ -57,6 +60,7 @@ class BatchRoutes:
     def routes(self) -> list[BaseRoute]:
         return [
             Route("/v1/files", self.create_file, methods=["POST"]),
+            Route("/v1/files", self.list_files, methods=["GET"]),
             Route("/v1/files/{file_id}", self.get_file, methods=["GET"]),
             Route("/v1/files/{file_id}", self.delete_file, methods=["DELETE"]),
             Route("/v1/files/{file_id}/content", self.file_content, methods=["GET"]),
@@ -114,6 +118,28 @@ class BatchRoutes:
                 principal.tenant_id, purpose=str(purpose), filename=filename, content=content
             )
         return JSONResponse(file_view(row))
+
+    async def list_files(self, request: Request) -> Response:
+        principal = await self._principal(request)
+        params = request.query_params
+        limit = _page_size(params.get("limit"), DEFAULT_FILE_PAGE_SIZE, DEFAULT_FILE_PAGE_SIZE)
+        order = params.get("order") or "desc"
+        if order not in ("asc", "desc"):
+            raise InvalidRequestError("order must be asc or desc.", param="order")
+        after = params.get("after") or None
+        page = None
+        if after is None or "\x00" not in after:
+            page = await self.deps.store.list_files(
+                principal.tenant_id,
+                limit=limit,
+                after=after,
+                descending=order == "desc",
+                purpose=params.get("purpose") or None,
+            )
+        if page is None:
+            raise InvalidRequestError(f"after names no file of yours: {after!r}.", param="after")
+        rows, has_more = page
+        return JSONResponse(_page([file_view(r) for r in rows], has_more))
 
     async def get_file(self, request: Request) -> Response:
         principal = await self._principal(request)
@@ -215,16 +241,7 @@ class BatchRoutes:
             principal.tenant_id, limit=limit, after=after
         )
         counts = await self.deps.store.line_counts([r.id for r in rows])
-        data = [batch_view(r, counts.get(r.id)) for r in rows]
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": data,
-                "first_id": data[0]["id"] if data else None,
-                "last_id": data[-1]["id"] if data else None,
-                "has_more": has_more,
-            }
-        )
+        return JSONResponse(_page([batch_view(r, counts.get(r.id)) for r in rows], has_more))
 
     async def _batch(self, principal: Principal, batch_id: str):
         _lookup_id(batch_id, _batch_not_found)
@@ -250,15 +267,28 @@ def _file_not_found(file_id: str, *, param: str | None = None) -> NotFoundError:
     return NotFoundError(f"No file with id {file_id!r}.", param=param, code="file_not_found")
 
 
-def _page_size(raw: str | None) -> int:
+def _page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    """A list response with OpenAI's cursor fields."""
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": has_more,
+    }
+
+
+def _page_size(
+    raw: str | None, default: int = DEFAULT_PAGE_SIZE, maximum: int = MAX_PAGE_SIZE
+) -> int:
     if raw is None:
-        return DEFAULT_PAGE_SIZE
+        return default
     try:
         limit = int(raw)
     except ValueError:
         raise InvalidRequestError("limit must be an integer.", param="limit") from None
-    if not 1 <= limit <= MAX_PAGE_SIZE:
-        raise InvalidRequestError(f"limit must be in 1..{MAX_PAGE_SIZE}.", param="limit")
+    if not 1 <= limit <= maximum:
+        raise InvalidRequestError(f"limit must be in 1..{maximum}.", param="limit")
     return limit
 
 

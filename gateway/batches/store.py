@@ -13,8 +13,9 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
-from sqlalchemy import and_, delete, func, or_, select, update
+from sqlalchemy import Select, and_, delete, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import aliased, defer
 
@@ -129,6 +130,37 @@ class BatchStore:
                 .where(FileRow.id == file_id, FileRow.tenant_id == tenant_id)
             )
 
+    async def list_files(
+        self,
+        tenant_id: str,
+        *,
+        limit: int,
+        after: str | None,
+        descending: bool,
+        purpose: str | None,
+    ) -> tuple[list[FileRow], bool] | None:
+        """A page of the tenant's files (bytes not loaded) and whether more follow; None
+        if `after` names no file of the tenant."""
+        async with self._sessionmaker() as session:
+            query = (
+                select(FileRow)
+                .options(defer(FileRow.content, raiseload=True))
+                .where(FileRow.tenant_id == tenant_id)
+            )
+            if purpose is not None:
+                query = query.where(FileRow.purpose == purpose)
+            if after is not None:
+                cursor = await session.scalar(
+                    select(FileRow.created_at).where(
+                        FileRow.id == after, FileRow.tenant_id == tenant_id
+                    )
+                )
+                if cursor is None:
+                    return None
+                query = query.where(_past_cursor(FileRow, cursor, after, descending))
+            rows = list((await session.scalars(_in_order(query, FileRow, descending, limit))).all())
+        return rows[:limit], len(rows) > limit
+
     async def get_file_content(self, tenant_id: str, file_id: str) -> bytes | None:
         async with self._sessionmaker() as session:
             return await session.scalar(
@@ -191,14 +223,8 @@ class BatchStore:
                 cursor = await session.get(BatchRow, after)
                 if cursor is None or cursor.tenant_id != tenant_id:
                     return [], False
-                query = query.where(
-                    or_(
-                        BatchRow.created_at < cursor.created_at,
-                        and_(BatchRow.created_at == cursor.created_at, BatchRow.id < cursor.id),
-                    )
-                )
-            query = query.order_by(BatchRow.created_at.desc(), BatchRow.id.desc())
-            rows = list((await session.scalars(query.limit(limit + 1))).all())
+                query = query.where(_past_cursor(BatchRow, cursor.created_at, cursor.id, True))
+            rows = list((await session.scalars(_in_order(query, BatchRow, True, limit))).all())
         return rows[:limit], len(rows) > limit
 
     async def line_counts(self, batch_ids: Sequence[str]) -> dict[str, LineCounts]:
@@ -447,6 +473,25 @@ class BatchStore:
                 .values(status=new, **{_STATUS_TIME[new]: utcnow()})
             )
             return result.rowcount > 0
+
+
+def _past_cursor(model: Any, created_at: datetime, row_id: str, descending: bool) -> Any:
+    """Rows after the cursor row in (created_at, id) order: a keyset page, stable when
+    rows are added meanwhile and when two share a creation time."""
+    if descending:
+        return or_(
+            model.created_at < created_at, and_(model.created_at == created_at, model.id < row_id)
+        )
+    return or_(
+        model.created_at > created_at, and_(model.created_at == created_at, model.id > row_id)
+    )
+
+
+def _in_order(query: Select, model: Any, descending: bool, limit: int) -> Select:
+    """`query` in (created_at, id) order, one row past `limit` (it tells has_more)."""
+    if descending:
+        return query.order_by(model.created_at.desc(), model.id.desc()).limit(limit + 1)
+    return query.order_by(model.created_at, model.id).limit(limit + 1)
 
 
 _CLOSE_MESSAGES = {

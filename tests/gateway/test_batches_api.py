@@ -410,6 +410,36 @@ def test_list_pages_newest_first(live_server: LiveServer) -> None:
         _wait(client, batch_id)
 
 
+def test_files_list_pages_by_cursor_and_purpose(live_server: LiveServer) -> None:
+    client = live_server.client(_tenant_key(live_server, "batch"))
+    other = live_server.client(_tenant_key(live_server, "batch"))
+    ids = [
+        client.files.create(file=(f"{i}.jsonl", _jsonl([_chat_line("a")])), purpose="batch").id
+        for i in range(5)
+    ]
+    other.files.create(file=("x.jsonl", _jsonl([_chat_line("x")])), purpose="batch")
+    newest_first = client.files.list()
+    assert [f.id for f in newest_first.data] == ids[::-1]  # only this tenant's
+    assert newest_first.data[0].filename == "4.jsonl"
+    first = client.files.list(limit=2, order="asc")
+    assert [f.id for f in first.data] == ids[:2]
+    assert first.has_more is True
+    # The client's auto-pagination walks the cursor.
+    assert [f.id for f in client.files.list(limit=2, order="asc")] == ids
+    assert client.files.list(purpose="batch_output").data == []
+    batch = _wait(
+        client,
+        client.batches.create(input_file_id=ids[0], endpoint=CHAT, completion_window="24h").id,
+    )
+    outputs = client.files.list(purpose="batch_output").data
+    assert [f.id for f in outputs] == [batch.output_file_id]
+    for bad in ({"limit": 0}, {"limit": 10_001}, {"order": "up"}, {"after": "file-nope"}):
+        with pytest.raises(openai.BadRequestError):
+            client.files.list(**bad)  # type: ignore[arg-type]
+    with pytest.raises(openai.BadRequestError):
+        other.files.list(after=ids[0])  # another tenant's file is no cursor
+
+
 def _long_lines(n: int) -> list[dict[str, Any]]:
     return [
         _chat_line(f"L{i}", f"Tell me a long story number {i}.", max_tokens=200) for i in range(n)
