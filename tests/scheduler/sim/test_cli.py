@@ -56,17 +56,29 @@ def test_a_run_too_large_to_generate_is_refused_up_front(capsys) -> None:
     assert "at most" in capsys.readouterr().err
 
 
+def _write_samples(tmp_path, truth, shapes: list[StepShape]):
+    """A calibration sample file: each shape timed exactly as `truth` predicts."""
+    lines = [
+        json.dumps(
+            {
+                "num_batched_tokens": shape.num_batched_tokens,
+                "num_kv_tokens": shape.num_kv_tokens,
+                "step_s": truth.shape_time_s(shape),
+            }
+        )
+        for shape in shapes
+    ]
+    samples = tmp_path / "steps.jsonl"
+    samples.write_text("\n".join(lines))
+    return samples
+
+
 def test_calibrate_writes_a_fitted_parameter_file(tmp_path, capsys) -> None:
     truth = replace(load_preset("cpu-tiny"), overhead_s=0.006, memory_efficiency=0.3)
     rng = random.Random(3)
-    lines = []
-    for _ in range(60):
-        batch = rng.choice([1, 4, 16, 64, 256, 1024])
-        shape = StepShape(batch, batch * rng.randint(1, 200))
-        row = {"num_batched_tokens": shape.num_batched_tokens, "num_kv_tokens": shape.num_kv_tokens}
-        lines.append(json.dumps({**row, "step_s": truth.shape_time_s(shape)}))
-    samples = tmp_path / "steps.jsonl"
-    samples.write_text("\n".join(lines))
+    batches = [rng.choice([1, 4, 16, 64, 256, 1024]) for _ in range(60)]
+    shapes = [StepShape(b, b * rng.randint(1, 200)) for b in batches]
+    samples = _write_samples(tmp_path, truth, shapes)
     out = tmp_path / "fitted.json"
     assert main(["calibrate", "--samples", str(samples), "--out", str(out)]) == 0
     assert "fitted 60 steps" in capsys.readouterr().out
@@ -231,13 +243,7 @@ def test_calibrate_writes_efficiencies_within_peak_and_says_when_one_is_pinned(
         memory_bandwidth_bytes_per_s=3 * base.memory_bandwidth_bytes_per_s,
         memory_efficiency=1.0,
     )
-    lines = []
-    for n in (1, 2, 4, 8, 16, 32):
-        shape = StepShape(n, n * 100)
-        row = {"num_batched_tokens": n, "num_kv_tokens": n * 100}
-        lines.append(json.dumps({**row, "step_s": truth.shape_time_s(shape)}))
-    samples = tmp_path / "steps.jsonl"
-    samples.write_text("\n".join(lines))
+    samples = _write_samples(tmp_path, truth, [StepShape(n, n * 100) for n in (1, 2, 4, 8, 16, 32)])
     out = tmp_path / "fitted.json"
     assert main(["calibrate", "--samples", str(samples), "--out", str(out)]) == 0
     assert "memory efficiency is at its limit of 1" in capsys.readouterr().err
