@@ -406,9 +406,13 @@ class OpenAIRoutes:
                 yield shape.chunk("", None, first=True, include_usage=include_usage)
             output = first
             while output is not None:
-                self._account(exchange, output)
+                self._account(exchange, output, is_streamed=True)
                 finish_reason = _finish_reason(output) if output.finished else None
                 if output.text_delta or finish_reason is not None:
+                    if exchange.first_token_s is None:
+                        # TTFT ends when the first token is sent: a token whose text is
+                        # held back (part of a character, a possible stop string) is not.
+                        exchange.first_token_s = time.monotonic()
                     yield shape.chunk(output.text_delta, finish_reason, include_usage=include_usage)
                 output = await _next_or_none(outputs)
             if include_usage:
@@ -431,10 +435,12 @@ class OpenAIRoutes:
                     await self._cancel_quietly(exchange)
                 self._finish(exchange, outcome)
 
-    def _account(self, exchange: _Exchange, output: Any) -> None:
+    def _account(self, exchange: _Exchange, output: Any, *, is_streamed: bool = False) -> None:
+        """Counts and token times of one output; a stream marks its first token where it
+        sends it (see _stream), a full response at the first token made."""
         if output.new_token_ids:
             exchange.last_token_s = time.monotonic()
-            if exchange.first_token_s is None:
+            if exchange.first_token_s is None and not is_streamed:
                 exchange.first_token_s = exchange.last_token_s
         exchange.num_prompt_tokens = output.num_prompt_tokens
         exchange.num_completion_tokens = output.num_output_tokens

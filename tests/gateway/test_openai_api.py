@@ -212,6 +212,35 @@ def test_every_request_leaves_a_usage_record(live_server: LiveServer) -> None:
     assert rows[bad_id].outcome == "rejected:invalid_request_error"
 
 
+def test_a_streams_ttft_ends_when_its_first_text_is_sent(live_server: LiveServer) -> None:
+    # A long stop string holds every character back until the end (none may be sent
+    # before it is known not to begin the stop string): the first text the client gets
+    # is in the last chunk, and that, not the first token made, ends the TTFT.
+    headers = {"authorization": f"Bearer {live_server.keys['priority']}"}
+    body = {
+        "model": MODEL,
+        "prompt": "go",
+        "max_tokens": 24,
+        "stream": True,
+        "temperature": 0,
+        "stop": ["\u2603" * 200],
+    }
+    started = time.monotonic()
+    first_text_s = None
+    with httpx.stream(
+        "POST", f"{live_server.base_url}/v1/completions", headers=headers, json=body, timeout=60
+    ) as response:
+        request_id = response.headers["x-request-id"]
+        for line in response.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                first_text_s = first_text_s or time.monotonic() - started
+    row = _wait_for_usage(live_server.database_url, [request_id])[request_id]
+    assert first_text_s is not None
+    assert row.completion_tokens == 24
+    # Before, the TTFT was the first token made, several decode steps before any text.
+    assert row.ttft_ms >= 0.9 * row.e2e_ms, (row.ttft_ms, row.e2e_ms)
+
+
 def _assert_engine_freed(live_server: LiveServer) -> None:
     """The aborted request leaves the engine (within 5 s) and gives back every KV block."""
     deadline = time.monotonic() + 5
