@@ -296,7 +296,21 @@ class QueueBackend(Protocol):
         ...
 
     async def charge(self, job_id: str, *, input_tokens: int = 0, output_tokens: int = 0) -> bool:
-        """Add served tokens to the tenant's counter and the tier's share window."""
+        """Add served tokens to the tenant's counter, divided by its current weight (see
+        `set_tenant_weight`), and to the tier's share window."""
+        ...
+
+    async def set_tenant_weight(self, tenant_id: str, weight: float) -> bool:
+        """Change the fair-share weight of a tenant's queued and leased jobs, in every
+        tier: their charges from now on divide by it (counters are not rescaled; what
+        was served stays charged at the old weight). Every enqueue also sets the weight,
+        to its job's. False, with nothing stored, when the tenant has no such job: its
+        next enqueue brings the weight. PolicyConfigError unless the weight is > 0."""
+        ...
+
+    async def tenant_weight(self, tenant_id: str) -> float | None:
+        """The weight the tenant's charges divide by; None when it has no queued or
+        leased job."""
         ...
 
     async def renew(self, worker_id: str, job_id: str, lease_ms: int) -> bool:

@@ -17,7 +17,11 @@ Families (after the prefix):
 - `active:<tier>`         sorted set, backlogged tenants scored by virtual token counter
 - `vtc:<tier>`            hash, tenant -> virtual token counter (kept while idle)
 - `floor`                 hash, tier -> counter of the tenant served last
-- `weights:<tier>`        hash, tenant -> latest fair-share weight
+- `weights`               hash, tenant -> its current fair-share weight, which every
+                          charge divides by; set by each enqueue and by
+                          set_tenant_weight, kept while the tenant has jobs
+- `live_jobs`             hash, tenant -> number of its queued and leased jobs (a field
+                          at 0 is removed, and the tenant's `weights` field with it)
 - `qprefill:<tier>`       hash, tenant -> queued prompt tokens
 - `qdecode:<tier>`        hash, tenant -> queued max_tokens
 - `share:<tier>`          hash, window bucket -> tokens served to the tier
@@ -53,7 +57,8 @@ FAMILIES: dict[str, str] = {
     "active": "active:",
     "vtc": "vtc:",
     "floor": "floor",
-    "weights": "weights:",
+    "weights": "weights",
+    "live_jobs": "live_jobs",
     "qprefill": "qprefill:",
     "qdecode": "qdecode:",
     "share": "share:",
@@ -109,6 +114,14 @@ class KeySpace:
     @property
     def workers(self) -> str:
         return self._key("workers")
+
+    @property
+    def weights(self) -> str:
+        return self._key("weights")
+
+    @property
+    def live_jobs(self) -> str:
+        return self._key("live_jobs")
 
     def job(self, job_id: str) -> str:
         return self._key("job", job_id)

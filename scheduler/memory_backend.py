@@ -111,7 +111,6 @@ class _Tier:
     active: dict[str, float] = field(default_factory=dict)  # backlogged tenant -> counter
     active_heap: list[tuple[float, str]] = field(default_factory=list)
     counters: dict[str, float] = field(default_factory=dict)
-    weights: dict[str, float] = field(default_factory=dict)
     floor: float = 0.0
     num_jobs: int = 0
 
@@ -168,6 +167,11 @@ class MemoryBackend:
         # entries (three objects a job) made every full collection walk them all.
         self._finished: dict[str, tuple[str, str, str, float]] = {}
         self._streams: dict[str, _Stream] = {}
+        # Each tenant's current weight, which every charge divides by, and its queued and
+        # leased jobs: the weight goes with the last of them (the `weights` and
+        # `live_jobs` hashes of the Redis backend).
+        self._weights: dict[str, float] = {}
+        self._num_live_jobs: dict[str, int] = {}
         self._seq = 0
         self._expiries: list[tuple[int, str]] = []
         self._deadlines: list[tuple[int, str]] = []
@@ -252,7 +256,9 @@ class MemoryBackend:
             deadline_ms=policy.deadline_ms(job),
         )
         self._entries[job.job_id] = entry
-        tier.weights[job.tenant_id] = job.weight
+        # The job's weight is the latest the gateway knew: the tenant's from now on.
+        self._weights[job.tenant_id] = job.weight
+        self._num_live_jobs[job.tenant_id] = self._num_live_jobs.get(job.tenant_id, 0) + 1
         self._push(entry)
         if entry.expire_at_ms is not None:
             heapq.heappush(self._expiries, (entry.expire_at_ms, job.job_id))
@@ -388,12 +394,16 @@ class MemoryBackend:
         self,
         tier_name: str,
         tenant_id: str,
-        weight: float,
+        job_weight: float,
         input_tokens: int,
         output_tokens: int,
         now_ms: int,
     ) -> None:
         tier = self._tier(tier_name)
+        # At the tenant's current weight, so that a change applies to work already queued
+        # or running; the job's own only for tokens reported after the tenant's last job
+        # finished. The counter is never rescaled (see set_tenant_weight).
+        weight = self._weights.get(tenant_id, job_weight)
         cost = policy.charge_cost(input_tokens, output_tokens, weight, self._config)
         counter = tier.counters.get(tenant_id, 0.0) + cost
         tier.counters[tenant_id] = counter
@@ -415,6 +425,18 @@ class MemoryBackend:
             return False
         self._charge(tier_name, tenant_id, weight, input_tokens, output_tokens, self._clock_ms())
         return True
+
+    async def set_tenant_weight(self, tenant_id: str, weight: float) -> bool:
+        policy.validate_weight(weight)
+        if tenant_id not in self._num_live_jobs:
+            return False  # nothing to apply it to; the tenant's next job brings it
+        # Only later charges use it: counters keep their units (tokens per unit of
+        # weight), so comparing them and lifting a returning tenant stay fair.
+        self._weights[tenant_id] = float(weight)
+        return True
+
+    async def tenant_weight(self, tenant_id: str) -> float | None:
+        return self._weights.get(tenant_id)
 
     async def renew(self, worker_id: str, job_id: str, lease_ms: int) -> bool:
         entry = self._entries.get(job_id)
@@ -482,6 +504,12 @@ class MemoryBackend:
         # The prompt goes with the entry (as the Redis backend empties the job's payload).
         del self._entries[job.job_id]
         self._finished[job.job_id] = (status.value, job.tier, job.tenant_id, job.weight)
+        num_live = self._num_live_jobs[job.tenant_id] - 1
+        if num_live:
+            self._num_live_jobs[job.tenant_id] = num_live
+        else:
+            del self._num_live_jobs[job.tenant_id]
+            del self._weights[job.tenant_id]
         heapq.heappush(self._purges, (now_ms + self._finished_ttl_ms, job.job_id))
         heapq.heappush(self._result_purges, (now_ms + self._finished_result_ttl_ms, job.job_id))
 
@@ -537,7 +565,7 @@ class MemoryBackend:
                     prefill += q.num_prefill_tokens
                     decode += q.num_decode_tokens
                     continue
-                take = min(q.num_prefill_tokens, mine_prefill * own.weights[tenant] / weight)
+                take = min(q.num_prefill_tokens, mine_prefill * self._weights[tenant] / weight)
                 prefill += take
                 decode += (
                     q.num_decode_tokens * take / q.num_prefill_tokens if q.num_prefill_tokens else 0

@@ -12,7 +12,8 @@ The rules, in order:
    tiers); otherwise the best rank goes first. Ties on rank break by tier name.
 3. Within a tier: the backlogged tenant with the smallest virtual token counter (VTC);
    ties break by tenant id. Counters grow by weighted tokens divided by the tenant's
-   weight; a tenant returning from idle is lifted to the smallest backlogged counter.
+   current weight (that of its latest job, or a later change), whichever job they were
+   served to; a tenant returning from idle is lifted to the smallest backlogged counter.
 4. Within a tenant: arrival order.
 
 Queued jobs older than their `max_queue_ms` are dropped (`queue_timeout`) before a pick.
@@ -176,6 +177,12 @@ def validate_tiers(tiers: Sequence[TierConfig]) -> None:
     names = [t.name for t in tiers]
     if len(set(names)) != len(names):
         raise PolicyConfigError(f"duplicate tier names in {names}")
+
+
+def validate_weight(weight: float) -> None:
+    """A tenant's fair-share weight: a finite number > 0, since charges divide by it."""
+    if not _is_number(weight) or weight <= 0:
+        raise PolicyConfigError(f"a fair-share weight must be a finite number > 0, not {weight!r}")
 
 
 def _is_number(value: object) -> bool:

@@ -66,6 +66,7 @@ _SCRIPTS = (
     "publish",
     "publish_step",
     "work_ahead",
+    "set_tenant_weight",
 )
 
 
@@ -333,6 +334,15 @@ class RedisBackend:
                 c.share_bucket_ms,
             )
         )
+
+    async def set_tenant_weight(self, tenant_id: str, weight: float) -> bool:
+        policy.validate_weight(weight)
+        return bool(await self._run("set_tenant_weight", tenant_id, repr(float(weight))))
+
+    async def tenant_weight(self, tenant_id: str) -> float | None:
+        with unavailable_as_error():
+            raw = await self._redis.hget(self._keys.weights, tenant_id)
+        return None if raw is None else float(raw)
 
     async def renew(self, worker_id: str, job_id: str, lease_ms: int) -> bool:
         return bool(await self._run("renew", self._clock_ms(), worker_id, job_id, lease_ms))

@@ -236,6 +236,12 @@ def _build_routes(deps: AdminDeps) -> list[BaseRoute]:
             except IntegrityError:
                 raise ConflictError("Tenant name or tier changed concurrently") from None
         deps.auth.invalidate_tenant(tenant.id)
+        if "weight" in changes and deps.queue is not None:
+            # Jobs already queued or running take the new weight now, fleet-wide with the
+            # Redis queue; new jobs carry it once the gateways' caches drop (within a
+            # second). Also when unchanged, so that repeating a PATCH that answered 503
+            # (the queue unreachable after the commit) applies it.
+            await deps.queue.set_tenant_weight(tenant.id, tenant.weight)
         return JSONResponse(tenant_view(tenant))
 
     async def delete_tenant(request: Request) -> Response:

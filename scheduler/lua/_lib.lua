@@ -139,9 +139,29 @@ local function window_sum(key, current, num_buckets)
   return sum
 end
 
+-- The tenant's current fair-share weight (its latest enqueue's or set_tenant_weight's),
+-- or `fallback` when the tenant has no job queued or leased: only tokens reported late
+-- for a finished job meet that, and they divide by their own job's weight.
+local function current_weight(tenant, fallback)
+  return tonumber(redis.call('HGET', K.weights, tenant) or fallback)
+end
+
+-- A job of `tenant` finished: one fewer queued or leased job. With none left its weight
+-- goes too (its next enqueue brings one), so the hash holds only tenants with work.
+local function drop_live_job(tenant)
+  if redis.call('HINCRBY', K.live_jobs, tenant, -1) <= 0 then
+    redis.call('HDEL', K.live_jobs, tenant)
+    redis.call('HDEL', K.weights, tenant)
+  end
+end
+
+-- Tokens are charged at the tenant's current weight, not the one `job_weight` its job was
+-- queued with, so a weight change applies to work already queued or running. The counter
+-- is not rescaled when the weight changes: it stays in the same units as every other
+-- tenant's (tokens per unit of weight), which lifting a returning tenant relies on.
 -- `counter` (the stored string) and `is_active` may be passed when the caller knows them.
-local function charge(tier, tenant, weight, nin, nout, in_w, out_w, now, bucket_ms, counter, is_active)
-  local cost = (in_w * nin + out_w * nout) / weight
+local function charge(tier, tenant, job_weight, nin, nout, in_w, out_w, now, bucket_ms, counter, is_active)
+  local cost = (in_w * nin + out_w * nout) / current_weight(tenant, job_weight)
   if counter == nil then counter = redis.call('HGET', K.vtc .. tier, tenant) end
   local new = fmt(tonumber(counter or '0') + cost)
   redis.call('HSET', K.vtc .. tier, tenant, new)
@@ -185,7 +205,9 @@ local function work_ahead(tier, tenant, weight, num_prompt_tokens)
   for i = 1, #queued, 2 do
     local other, q = queued[i], tonumber(queued[i + 1])
     if other ~= tenant and q > 0 then
-      local w = tonumber(redis.call('HGET', K.weights .. tier, other))
+      -- Every tenant with queued jobs has a weight; 1 (the default) only for jobs queued
+      -- by a version that kept no `weights` hash, during an upgrade.
+      local w = current_weight(other, 1)
       local take = math.min(q, mine * w / weight)
       prefill = prefill + take
       decode = decode + tonumber(redis.call('HGET', K.qdecode .. tier, other) or '0') * take / q
@@ -215,10 +237,11 @@ end
 -- The payload ('j': the prompt and parameters) is emptied, not deleted: a finished job
 -- is never dispatched again, and the field's presence still refuses its id as a
 -- duplicate until the hash expires, an hour of prompts that Redis need not hold.
-local function finish(id, status, ttl_ms)
+local function finish(id, tenant, status, ttl_ms)
   redis.call('HSET', K.job .. id, 'st', status, 'wk', '', 'j', '')
   redis.call('ZREM', K.leases, id)
   redis.call('PEXPIRE', K.job .. id, ttl_ms)
+  drop_live_job(tenant)
 end
 
 -- Back to its arrival position in its tenant's queue, ahead of every later arrival.

@@ -10,5 +10,5 @@ if h[1] == 'queued' then
 elseif h[1] ~= 'leased' then
   return 0
 end
-finish(id, 'cancelled', ARGV[4])
+finish(id, h[3], 'cancelled', ARGV[4])
 return 1

@@ -43,7 +43,7 @@ local function dispatch_one()
       local h = redis.call('HMGET', K.job .. eid, 'tier', 'tenant', 'pin', 'dec', 'dl')
       unqueue(eid, h[1], h[2], tonumber(h[3]), tonumber(h[4]), h[5], 'ex', false)
       emit(eid, ARGV[12], {'k', 'error', 'c', 'queue_timeout', 'm', 'queued longer than max_queue_ms'})
-      finish(eid, 'dropped', ARGV[11])
+      finish(eid, h[2], 'dropped', ARGV[11])
     end
     expiries_done = #expired < tonumber(ARGV[10])
   end

@@ -4,8 +4,9 @@
 -- KEYS: none; every key derives from the prefix in ARGV[1] (scheduler/keys.py).
 -- ARGV: 1 prefix, 2 now_ms, 3 an SLO budget or '' (below), then 3 per job: job_id, job
 --       JSON, and the fields the queue reads in one tab-separated string (fewer
---       arguments cost the client less): tier, weight, prompt tokens, max_tokens,
---       deadline ms or '', expire-at ms or '', tenant (last, so it may hold any character)
+--       arguments cost the client less): tier, weight (the tenant's from now on), prompt
+--       tokens, max_tokens, deadline ms or '', expire-at ms or '', tenant (last, so it may
+--       hold any character)
 --       The SLO budget is SloBudget's fields, space-separated: ttft_slo_ms, prefill and
 --       decode tokens/s, held prefill and decode tokens, decode fraction. With it, each
 --       job's TTFT is predicted from the work queued ahead of it (work_ahead) and the job
@@ -63,7 +64,10 @@ local function enqueue_one(id, json, fields)
   -- Fields a lease writes later ('chg', 'att', 'res', 'wk', 'lu') start out absent.
   redis.call('HSET', K.job .. id, 'tier', tier, 'tenant', tenant, 'w', weight, 'pin', pin,
     'dec', dec, 'seq', seq, 'dl', dl, 'ex', ex, 'st', 'queued')
-  redis.call('HSET', K.weights .. tier, tenant, weight)
+  -- The job's weight is the latest the gateway knew: it becomes the tenant's current one,
+  -- which charges of all its jobs divide by.
+  redis.call('HSET', K.weights, tenant, weight)
+  redis.call('HINCRBY', K.live_jobs, tenant, 1)
   push(id, tier, tenant, seq, tonumber(pin), tonumber(dec), dl)
   if ex ~= '' then redis.call('ZADD', K.expiries, ex, id) end
   return ok

@@ -6,7 +6,7 @@
 --       11 result_ttl_ms, 12 finished_ttl_ms
 -- Returns: the stream entry id, or false when the worker no longer holds the job.
 local id, kind = ARGV[3], ARGV[5]
-local h = redis.call('HMGET', K.job .. id, 'st', 'wk')
+local h = redis.call('HMGET', K.job .. id, 'st', 'wk', 'tenant')
 if h[1] ~= 'leased' then return false end
 if ARGV[4] ~= '' and h[2] ~= ARGV[4] then return false end
 local fields = {'k', kind}
@@ -19,8 +19,8 @@ for i, name in ipairs(names) do
 end
 local sid = emit(id, ARGV[11], fields)
 if kind == 'done' then
-  finish(id, 'done', ARGV[12])
+  finish(id, h[3], 'done', ARGV[12])
 elseif kind == 'error' then
-  finish(id, 'failed', ARGV[12])
+  finish(id, h[3], 'failed', ARGV[12])
 end
 return sid

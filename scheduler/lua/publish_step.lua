@@ -37,6 +37,6 @@ if ARGV[11] ~= '' then
     fields[#fields + 1] = wait
   end
   emit(id, ARGV[12], fields)
-  finish(id, 'done', ARGV[13])
+  finish(id, h[4], 'done', ARGV[13])
 end
 return 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import math
 from collections import Counter
 
 import pytest
@@ -16,7 +17,7 @@ from scheduler.backend import (
     QueueFullError,
     UnknownTierError,
 )
-from scheduler.policy import TierConfig
+from scheduler.policy import PolicyConfigError, TierConfig
 
 LEASE_MS = 5_000
 
@@ -66,6 +67,60 @@ async def test_weights_one_to_three_share_tokens_one_to_three(backend, make_job)
         tokens[job.tenant_id] += job.num_prompt_tokens + 20
     ratio = tokens["heavy"] / tokens["light"]
     assert ratio == pytest.approx(3.0, rel=0.03)
+
+
+async def test_a_weight_change_applies_to_jobs_already_queued(backend, make_job) -> None:
+    # Every job is queued at weight 1 (what the gateway knew); then b's weight becomes 3.
+    for _ in range(200):
+        await backend.enqueue(make_job("a", weight=1.0))
+        await backend.enqueue(make_job("b", weight=1.0))
+    before = await drain(backend, 20, output_tokens=20)
+    assert Counter(j.tenant_id for j in before) == {"a": 10, "b": 10}
+    assert await backend.set_tenant_weight("b", 3.0)
+    served = await drain(backend, 160, output_tokens=20)
+    # Service as the queue counts it: prompt and output tokens at their token weights.
+    service = Counter()
+    for job in served:
+        service[job.tenant_id] += 1.0 * job.num_prompt_tokens + 2.0 * 20
+    assert service["b"] / service["a"] == pytest.approx(3.0, rel=0.03)
+
+
+async def test_a_tenant_weight_is_kept_while_it_has_jobs(
+    backend, make_job, redis_client, keys
+) -> None:
+    from scheduler.memory_backend import MemoryBackend
+
+    for bad in (0, -1.0, math.nan, math.inf):
+        with pytest.raises(PolicyConfigError):
+            await backend.set_tenant_weight("a", bad)
+    assert not await backend.set_tenant_weight("a", 2.0)  # no job: nothing is kept
+    assert await backend.tenant_weight("a") is None
+    first, second = make_job("a", weight=1.0), make_job("a", weight=1.0)
+    await backend.enqueue(first)
+    await backend.enqueue(second)
+    assert await backend.dispatch("w1", LEASE_MS) is not None  # first, leased
+    assert await backend.set_tenant_weight("a", 4.0)
+    assert await backend.tenant_weight("a") == 4.0
+    counter = (await backend.counters("interactive"))["a"]
+    assert await backend.charge(first.job_id, output_tokens=10)  # a running job: at 4
+    assert (await backend.counters("interactive"))["a"] == counter + 2.0 * 10 / 4.0
+    third = make_job("a", weight=2.0)
+    await backend.enqueue(third)  # the latest weight the gateway knew
+    assert await backend.tenant_weight("a") == 2.0
+    assert await backend.complete(first.job_id, worker_id="w1")
+    assert await backend.cancel(second.job_id)
+    assert await backend.tenant_weight("a") == 2.0  # third is still queued
+    assert await backend.cancel(third.job_id)
+    assert await backend.tenant_weight("a") is None
+    # Tokens reported after the tenant's last job finished: at that job's own weight.
+    counter = (await backend.counters("interactive"))["a"]
+    assert await backend.charge(first.job_id, output_tokens=10)
+    assert (await backend.counters("interactive"))["a"] == counter + 2.0 * 10 / 1.0
+    if isinstance(backend, MemoryBackend):
+        assert backend._weights == {}
+        assert backend._num_live_jobs == {}
+    else:
+        assert await redis_client.exists(keys.weights, keys.live_jobs) == 0
 
 
 async def test_returning_tenant_is_lifted_not_credited(backend, make_job) -> None:
