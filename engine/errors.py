@@ -39,19 +39,18 @@ class ContextLengthExceededError(InvalidRequestError):
         self.max_model_len = max_model_len
 
 
-class PromptTooLongError(ContextLengthExceededError):
+class PromptTooLongError(InvalidRequestError):
     """A prompt so long that it cannot fit the context whatever it tokenizes to: refused
-    from its length in characters, without tokenizing it."""
+    from its length in characters, without tokenizing it (the gateway answers it as it
+    answers ContextLengthExceededError)."""
 
     def __init__(self, *, num_chars: int, max_model_len: int, param: str) -> None:
-        InvalidRequestError.__init__(
-            self,
+        super().__init__(
             f"This model's maximum context length is {max_model_len} tokens; the prompt has "
             f"{num_chars} characters, far more than that many tokens can hold.",
             param=param,
         )
-        self.num_prompt_tokens = None
-        self.max_tokens = None
+        self.num_chars = num_chars
         self.max_model_len = max_model_len
 
 

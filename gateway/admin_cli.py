@@ -218,14 +218,27 @@ def _group(groups, name: str, help_: str):
     return parser.add_subparsers(metavar="ACTION")
 
 
-class _EmptyIdError(Exception):
-    """An id argument given as an empty string (it would address the collection)."""
+class BadIdError(ValueError):
+    """An id or name that cannot be sent as one segment of a URL path; the message says
+    why, worded to follow "the id" or "an id or name"."""
 
 
-def _q(segment: str) -> str:
-    if not segment:
-        raise _EmptyIdError
-    return quote(segment, safe="")
+def path_segment(value: str) -> str:
+    """`value` quoted as one URL path segment, or BadIdError when no quoting keeps it
+    one and the request would address another path than the one asked for."""
+    if not value:  # would address the collection
+        raise BadIdError("may not be empty")
+    if value in (".", ".."):
+        # Dot segments: quote() leaves them as they are (they are unreserved) and the
+        # client resolves them away before sending (`tiers get ..` asked for /admin/v1).
+        raise BadIdError(f"may not be {value!r}: the request would go to another path")
+    if "/" in value:
+        # quote(safe="") sends %2F, but the server decodes the path before routing.
+        raise BadIdError(f"may not contain '/' ({value!r}): the request would go to another path")
+    return quote(value, safe="")
+
+
+_q = path_segment  # the short name the route table above reads best with
 
 
 def _tenant(args: argparse.Namespace) -> str:
@@ -234,7 +247,12 @@ def _tenant(args: argparse.Namespace) -> str:
 
 def _tenant_page(args: argparse.Namespace) -> str:
     query = f"/tenants?limit={args.limit}"
-    return query if args.after is None else f"{query}&after={_q(args.after)}"
+    if args.after is None:
+        return query
+    if not args.after:
+        raise BadIdError("may not be empty")
+    # A query value, not a path segment: dots and slashes are plain data here.
+    return f"{query}&after={quote(args.after, safe='')}"
 
 
 def _body(args: argparse.Namespace) -> dict[str, Any]:
@@ -244,8 +262,9 @@ def _body(args: argparse.Namespace) -> dict[str, Any]:
 def _call_built(args: argparse.Namespace, build: Callable[[argparse.Namespace], tuple]) -> int:
     try:
         request = build(args)
-    except _EmptyIdError:
-        print("tiergate admin: an id or name may not be empty", file=sys.stderr)
+    except BadIdError as exc:
+        # Refused before anything is sent.
+        print(f"tiergate admin: an id or name {exc}", file=sys.stderr)
         return 2
     return _call(args, *request)
 

@@ -22,8 +22,8 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Mount, Router
+from starlette.responses import RedirectResponse, Response
+from starlette.routing import BaseRoute, Match, Mount, Route, Router
 from starlette.types import Receive, Scope, Send
 
 from gateway.admin import AdminDeps, admin_routes
@@ -142,7 +142,7 @@ def build_app(
             finally:
                 deferred.router = None
 
-    return Starlette(
+    app = Starlette(
         routes=[Mount("/", app=deferred)],
         middleware=[
             Middleware(
@@ -155,6 +155,15 @@ def build_app(
         exception_handlers={HTTPException: _http_exception},
         lifespan=lifespan,
     )
+    app.router.redirect_slashes = False  # see _router
+    return app
+
+
+def _router(routes: list[BaseRoute]) -> Router:
+    """A router that answers a path it does not know with 404, never a slash redirect:
+    Starlette's default 307s `POST /v1/completions/` to `/v1/completions`, which most
+    clients do not follow (or follow by posting the body again)."""
+    return Router(routes=routes, redirect_slashes=False)
 
 
 async def _build_router(
@@ -272,20 +281,27 @@ async def _build_router(
     routes += metrics_routes(telemetry)
     if settings.admin_token:
         deps = AdminDeps(
-            sessionmaker=sessionmaker, admin_token=settings.admin_token, tiers=tiers, auth=auth
+            sessionmaker=sessionmaker,
+            admin_token=settings.admin_token,
+            tiers=tiers,
+            auth=auth,
+            queue=queue.backend,
         )
-        routes.append(
-            Mount(
-                "/admin/v1",
-                routes=admin_routes(deps)
-                + usage_routes(deps)
-                + queue_routes(queue.backend, settings.admin_token),
-            )
-        )
-        routes.append(Mount("/admin/ui", routes=dashboard_routes(deps, telemetry)))
+        # Mount(routes=...) would build a Router that redirects slashes: pass our own.
+        admin_api = admin_routes(deps) + usage_routes(deps)
+        admin_api += queue_routes(queue.backend, settings.admin_token)
+        routes.append(Mount("/admin/v1", app=_router(admin_api)))
+        routes.append(Mount("/admin/ui", app=_router(dashboard_routes(deps, telemetry))))
+        # The documented address of the dashboard, which the slash redirect used to
+        # serve; a GET redirect is safe (no body to post again).
+        routes.append(Route("/admin/ui", _to_dashboard, methods=["GET"]))
     else:
         log.warning("TIERGATE_ADMIN_TOKEN is not set: the admin API is disabled")
-    return Router(routes=routes)
+    return _router(routes)
+
+
+async def _to_dashboard(_request: Request) -> Response:
+    return RedirectResponse("/admin/ui/")
 
 
 async def _shutdown_engine(engine: EngineLike) -> None:
@@ -297,20 +313,68 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
     wrong method) and anything else it raises (a malformed body it parsed: 400)."""
     error: GatewayError
     status = getattr(exc, "status_code", None)
+    # The headers Starlette gave complete the status (Allow on its 405, RFC 9110 15.5.6).
+    headers = getattr(exc, "headers", None)
     if status == 405:
+        headers = _with_full_allow(request, headers)
         error = MethodNotAllowedError(
-            f"Method {request.method} is not allowed on {request.url.path}."
+            f"Method {request.method} is not allowed on {request.url.path}.", headers=headers
         )
     elif status == 404:
-        error = NotFoundError(f"Unknown URL {request.url.path}.", code="unknown_url")
+        error = NotFoundError(
+            f"Unknown URL {request.url.path}.", code="unknown_url", headers=headers
+        )
     elif status == 413:
-        error = PayloadTooLargeError(f"The request body is too large: {exc}")
+        error = PayloadTooLargeError(f"The request body is too large: {exc}", headers=headers)
     elif status is not None and 400 <= status < 500:
-        error = InvalidRequestError(f"The request is not valid: {getattr(exc, 'detail', exc)}")
+        error = InvalidRequestError(
+            f"The request is not valid: {getattr(exc, 'detail', exc)}", headers=headers
+        )
     else:
         raise exc
     # The middleware adds x-request-id to every response, this one included.
     return error_response(error)
+
+
+def _with_full_allow(request: Request, headers: dict[str, str] | None) -> dict[str, str]:
+    """Starlette's 405 headers with Allow naming every method the path takes.
+
+    Starlette's Allow lists the methods of the first route that matched the path, but the
+    gateway declares one route per method (GET and POST /v1/batches are two routes), so
+    it would leave out methods the path does take."""
+    scope = request.scope
+    # The scope as the server gave it: the mounts on the way here rewrote root_path.
+    top_scope = {
+        "type": "http",
+        "method": scope["method"],
+        "path": scope["path"],
+        "root_path": scope.get("app_root_path", scope.get("root_path", "")),
+    }
+    allowed = _allowed_methods(_routes_of(request.app), top_scope)
+    result = dict(headers or {})
+    if allowed:
+        result = {name: value for name, value in result.items() if name.lower() != "allow"}
+        result["allow"] = ", ".join(sorted(allowed))
+    return result
+
+
+def _allowed_methods(routes: list[BaseRoute], scope: Scope) -> set[str]:
+    allowed: set[str] = set()
+    for route in routes:
+        match, child_scope = route.matches(scope)
+        if match is Match.NONE:
+            continue
+        if isinstance(route, Mount):
+            allowed |= _allowed_methods(_routes_of(route.app), {**scope, **child_scope})
+        elif isinstance(route, Route) and route.methods:
+            allowed |= route.methods
+    return allowed
+
+
+def _routes_of(app: Any) -> list[BaseRoute]:
+    """The routes of a Router, of the Starlette app's router, or of _DeferredRoutes."""
+    router = getattr(app, "router", None) or app
+    return list(getattr(router, "routes", None) or [])
 
 
 async def _maybe_await(value: Any) -> Any:

@@ -22,11 +22,10 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
-from urllib.parse import quote
 
 import httpx
 
-from gateway.admin_cli import positive_seconds
+from gateway.admin_cli import BadIdError, path_segment, positive_seconds
 from gateway.cli_output import print_json
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -86,13 +85,13 @@ class BatchClient:
         return self._check(self._http.post("/batches", json=body)).json()
 
     def get(self, batch_id: str) -> dict[str, Any]:
-        return self._check(self._http.get(f"/batches/{quote(batch_id, safe='')}")).json()
+        return self._check(self._http.get(f"/batches/{path_segment(batch_id)}")).json()
 
     def cancel(self, batch_id: str) -> dict[str, Any]:
-        return self._check(self._http.post(f"/batches/{quote(batch_id, safe='')}/cancel")).json()
+        return self._check(self._http.post(f"/batches/{path_segment(batch_id)}/cancel")).json()
 
     def content(self, file_id: str) -> bytes:
-        return self._check(self._http.get(f"/files/{quote(file_id, safe='')}/content")).content
+        return self._check(self._http.get(f"/files/{path_segment(file_id)}/content")).content
 
 
 def add_batch_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -158,12 +157,18 @@ def _run(args: argparse.Namespace, action: Callable[[BatchClient, argparse.Names
     if not args.api_key.isascii():
         print("tiergate batch: API keys are ASCII; this one is not", file=sys.stderr)
         return 2
-    if not getattr(args, "batch_id", "x"):
-        print("tiergate batch: the batch id may not be empty", file=sys.stderr)
+    try:
+        # Checked before anything is sent (`submit` has no batch id).
+        path_segment(getattr(args, "batch_id", "x"))
+    except BadIdError as exc:
+        print(f"tiergate batch: the batch id {exc}", file=sys.stderr)
         return 2
     try:
         with BatchClient(args.url, args.api_key, timeout_s=args.timeout_s) as client:
             return action(client, args)
+    except BadIdError as exc:  # an id the server returned (a file id) that no path holds
+        print(f"tiergate batch: an id {exc}", file=sys.stderr)
+        return 1
     except ApiError as exc:
         print_json(exc.payload, sys.stderr)
         return 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from starlette.requests import ClientDisconnect
@@ -27,11 +28,21 @@ log = logging.getLogger(__name__)
 class GatewayError(Exception):
     """Base of errors raised by the gateway itself."""
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ):
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code
+        # Response headers the status needs to be complete (Allow on a 405,
+        # Accept-Encoding on a 415, the rate-limit headers on a 429).
+        self.headers = dict(headers or {})
 
 
 class InvalidRequestError(GatewayError):
@@ -58,6 +69,10 @@ class PayloadTooLargeError(GatewayError):
     """Request body over the configured limit (413)."""
 
 
+class UnsupportedMediaTypeError(GatewayError):
+    """The body is in a form the gateway does not read, e.g. compressed (415)."""
+
+
 class RateLimitedError(GatewayError):
     """'Not now' (429): rate limit, concurrency limit, SLO unattainable, queue timeout.
 
@@ -72,9 +87,8 @@ class RateLimitedError(GatewayError):
         retry_after_s: float | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
-        super().__init__(message, code=code)
+        super().__init__(message, code=code, headers=headers)
         self.retry_after_s = retry_after_s
-        self.headers = headers or {}
 
 
 class ServiceUnavailableError(GatewayError):
@@ -97,9 +111,13 @@ ERROR_TABLE: dict[type[BaseException], ErrorKind] = {
     NotFoundError: ErrorKind(404, "not_found_error"),
     ConflictError: ErrorKind(409, "conflict_error"),
     PayloadTooLargeError: ErrorKind(413, "invalid_request_error", "request_too_large"),
+    UnsupportedMediaTypeError: ErrorKind(415, "invalid_request_error", "unsupported_media_type"),
     RateLimitedError: ErrorKind(429, "rate_limit_error"),
     ServiceUnavailableError: ErrorKind(503, "service_unavailable_error"),
     engine_errors.ContextLengthExceededError: ErrorKind(
+        400, "invalid_request_error", "context_length_exceeded"
+    ),
+    engine_errors.PromptTooLongError: ErrorKind(
         400, "invalid_request_error", "context_length_exceeded"
     ),
     engine_errors.InvalidRequestError: ErrorKind(400, "invalid_request_error"),
@@ -184,8 +202,8 @@ def error_response(exc: BaseException, *, request_id: str | None = None) -> JSON
     retry_after_s = getattr(exc, "retry_after_s", None)
     if getattr(exc, "retry_after_ms", None) is not None:
         retry_after_s = exc.retry_after_ms / 1000.0  # type: ignore[attr-defined]
-    if isinstance(exc, RateLimitedError):
-        headers.update(exc.headers)
+    if isinstance(exc, GatewayError):
+        headers.update(getattr(exc, "headers", None) or {})
     if kind.status == 429 and retry_after_s is not None:
         # Retry-After is whole seconds (rounded up so honouring it is enough);
         # retry-after-ms carries the precise wait.

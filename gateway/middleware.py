@@ -1,5 +1,9 @@
 """The gateway's outermost ASGI layer: request ids, the body size limit, the error boundary.
 
+It also refuses a compressed request body (Content-Encoding other than identity) with a
+415 before a byte of it is read: every route that reads a body would otherwise try to
+parse the compressed bytes and answer a misleading 400 (invalid UTF-8, bad multipart).
+
 One pure-ASGI middleware rather than several `BaseHTTPMiddleware`s: it adds nothing to a
 streaming response's path but a header, and it is the single place where an exception
 that escaped a route becomes an OpenAI-shaped error (so even a 500 carries x-request-id).
@@ -14,7 +18,12 @@ from collections.abc import Mapping
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.errors import CLIENT_CLOSED_REQUEST, PayloadTooLargeError, error_response
+from gateway.errors import (
+    CLIENT_CLOSED_REQUEST,
+    PayloadTooLargeError,
+    UnsupportedMediaTypeError,
+    error_response,
+)
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +85,10 @@ class GatewayMiddleware:
         try:
             limit = self.upload_limits.get(scope.get("path", ""), self.max_body_bytes)
             declared = _content_length(scope)
+            if _has_body(scope, declared):
+                codings = _content_codings(scope)
+                if codings:
+                    raise _unsupported_encoding(codings)
             if declared is not None and declared > limit:
                 raise _too_large(limit)
             await self.app(scope, self._limited(receive, limit), send_with_id)
@@ -116,6 +129,39 @@ def _content_length(scope: Scope) -> int | None:
             except ValueError:
                 return None
     return None
+
+
+def _has_body(scope: Scope, declared: int | None) -> bool:
+    """Whether the request carries a body: a Content-Encoding on a body-less request
+    (a GET from a client that sets it everywhere) describes nothing, so it is let be."""
+    if declared is not None:
+        return declared > 0
+    return any(name == b"transfer-encoding" for name, _ in scope.get("headers", []))
+
+
+def _content_codings(scope: Scope) -> list[str]:
+    """The content codings applied to the body, identity left out (RFC 9110 8.4: a list,
+    possibly over several header lines, case-insensitive)."""
+    codings: list[str] = []
+    for name, value in scope.get("headers", []):
+        if name == b"content-encoding":
+            for coding in value.decode("latin-1").split(","):
+                coding = coding.strip().lower()
+                if coding and coding != "identity":
+                    codings.append(coding)
+    return codings
+
+
+def _unsupported_encoding(codings: list[str]) -> UnsupportedMediaTypeError:
+    named = ", ".join(codings)
+    if len(named) > 100:  # the header is the client's: echo a bounded part of it
+        named = named[:100] + "..."
+    return UnsupportedMediaTypeError(
+        f"Content-Encoding {named} is not supported: send the request body uncompressed.",
+        code="unsupported_content_encoding",
+        # RFC 9110 15.5.16: a 415 for a content coding says which codings are accepted.
+        headers={"accept-encoding": "identity"},
+    )
 
 
 def _too_large(limit: int) -> PayloadTooLargeError:
