@@ -540,12 +540,17 @@ def test_a_suspended_tenants_batch_pauses_and_resumes(live_server: LiveServer) -
         batch_id = _submit(client, _long_lines(n)).id
         _until_completed(client, batch_id, 2)
         admin.patch(f"/tenants/{tenant_id}", json={"status": "suspended"}).raise_for_status()
-        time.sleep(1.5)  # the driver reads the tenant every heartbeat (at most 1 s)
-        # Suspended: it answers nothing to the tenant's key, so the admin side watches.
+        # The driver reads the tenant every heartbeat (at most 1 s), lets the line in
+        # flight finish, then gives the batch's slot up. Suspended, the tenant's key
+        # answers nothing, so the admin side watches.
+        deadline = time.monotonic() + 60
+        while _owner(live_server, batch_id) is not None:
+            assert time.monotonic() < deadline, "the paused batch kept its driver slot"
+            time.sleep(0.1)
         paused = _line_counts(live_server, batch_id)
         time.sleep(2.0)
         assert _line_counts(live_server, batch_id) == paused  # nothing more ran
-        assert _owner(live_server, batch_id) is None  # paused, it holds no driver slot
+        assert _owner(live_server, batch_id) is None  # not claimed again while suspended
         assert paused["done"] < n
         admin.patch(f"/tenants/{tenant_id}", json={"status": "active"}).raise_for_status()
     batch = _wait(client, batch_id)
