@@ -285,6 +285,9 @@ def _call(args: argparse.Namespace, method: str, path: str, body: Any = None) ->
                 json=body,
                 headers={"authorization": f"Bearer {args.admin_token}"},
             )
+    except httpx.InvalidURL as exc:  # not an HTTPError: raised before any connection
+        print(f"tiergate admin: --url {args.url!r} is not a valid URL: {exc}", file=sys.stderr)
+        return 2
     except httpx.HTTPError as exc:
         print(f"tiergate admin: cannot reach {args.url}: {exc}", file=sys.stderr)
         return 2

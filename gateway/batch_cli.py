@@ -172,6 +172,9 @@ def _run(args: argparse.Namespace, action: Callable[[BatchClient, argparse.Names
     except ApiError as exc:
         print_json(exc.payload, sys.stderr)
         return 1
+    except httpx.InvalidURL as exc:  # not an HTTPError: raised before any connection
+        print(f"tiergate batch: --url {args.url!r} is not a valid URL: {exc}", file=sys.stderr)
+        return 2
     except httpx.HTTPError as exc:
         print(f"tiergate batch: cannot reach {args.url}: {exc}", file=sys.stderr)
         return 2

@@ -19,7 +19,7 @@ from starlette.routing import BaseRoute, Route
 from gateway.admin.deps import AdminDeps
 from gateway.admin.routes import _guarded
 from gateway.admin.usage_report import GROUPINGS, UsageLine, UsageQuery, usage_report
-from gateway.admin.validation import in_range_utc
+from gateway.admin.validation import TENANT_ID, TIER_NAME, in_range_utc
 from gateway.errors import InvalidRequestError
 
 DEFAULT_RANGE = timedelta(hours=24)
@@ -71,9 +71,11 @@ def parse_usage_query(request: Request) -> tuple[UsageQuery, str]:
         raise InvalidRequestError("format must be json or csv", param="format")
     tenant_id = params.get("tenant_id") or None
     tier = params.get("tier") or None
-    for name, value, limit in (("tenant_id", tenant_id, 40), ("tier", tier, 32)):
-        if value is not None and len(value) > limit:
-            raise InvalidRequestError(f"{name} is longer than {limit} characters", param=name)
+    # Shapes the ids are made in: anything else matches no row, and a NUL would reach
+    # PostgreSQL as a driver error (a 500) rather than an empty report.
+    for name, value, shape in (("tenant_id", tenant_id, TENANT_ID), ("tier", tier, TIER_NAME)):
+        if value is not None and not shape.fullmatch(value):
+            raise InvalidRequestError(f"{name} is not a valid {name}: {value!r}", param=name)
     return UsageQuery(start, end, group_by, tenant_id, tier), fmt
 
 

@@ -174,3 +174,14 @@ def test_admin_cli_prints_names_in_their_own_letters(server_url: str, capsys) ->
     assert code == 0
     assert "Zoë 株式会社" in out
     assert json.loads(out)["name"] == "Zoë 株式会社"
+
+
+@pytest.mark.parametrize("url", ["http://[::1", "http://127.0.0.1:abc"])
+def test_a_malformed_url_is_one_line_and_exit_2(url: str, capsys) -> None:
+    # httpx.InvalidURL is not an httpx.HTTPError: it escaped as a traceback.
+    from gateway.batch_cli import main as batch_main
+
+    assert main(["tiers", "list", "--url", url, "--admin-token", TOKEN]) == 2
+    assert "not a valid URL" in capsys.readouterr().err
+    assert batch_main(["status", "batch_x", "--url", url, "--api-key", "tg-x"]) == 2
+    assert "not a valid URL" in capsys.readouterr().err

@@ -174,6 +174,10 @@ def test_usage_api_reports_live_traffic_as_json_and_csv(live_server: LiveServer)
         ({"group_by": "week"}, "group_by"),
         ({"format": "xml"}, "format"),
         ({"tenant_id": "x" * 41}, "tenant_id"),
+        # NUL reached PostgreSQL as a driver error: a 500.
+        ({"tenant_id": "ten_\x00abc"}, "tenant_id"),
+        ({"tier": "batch\x00"}, "tier"),
+        ({"tier": "Batch Tier"}, "tier"),
     ],
 )
 def test_bad_queries_answer_400(live_server: LiveServer, params: dict, param: str) -> None:
