@@ -77,12 +77,16 @@ class RecentOutcomes:
         is_met: bool,
         num_tokens: int,
         refusal_code: str | None,
+        is_counted: bool = True,
         now_s: float | None = None,
     ) -> None:
+        """One finished request. `is_counted` False (the client went away) leaves it out
+        of its tier's attainment, but not out of its tenant's requests and tokens."""
         bucket = self._current(time.time() if now_s is None else now_s)
-        bucket.requests[tier] += 1
-        if is_met:
-            bucket.met[tier] += 1
+        if is_counted:
+            bucket.requests[tier] += 1
+            if is_met:
+                bucket.met[tier] += 1
         if refusal_code is not None:
             bucket.refusals[refusal_code] += 1
         bucket.tenant_requests[tenant_id] += 1

@@ -310,14 +310,17 @@ class Telemetry:
         # A client that went away is neither a hit nor a miss: it did not wait for one.
         is_counted = outcome != "aborted"
         is_met = is_slo_met(targets, is_ok=is_ok, ttft_ms=record.ttft_ms, tpot_ms=tpot)
-        if is_counted:
-            self.recent.add(
-                tier=record.tier,
-                tenant_id=record.tenant_id,
-                is_met=is_met,
-                num_tokens=record.prompt_tokens + record.completion_tokens,
-                refusal_code=refusal_code,
-            )
+        # A refused prompt was never processed: its tokens are nobody's, as in the usage
+        # report and the token counter below.
+        num_input_tokens = 0 if refusal_code is not None else record.prompt_tokens
+        self.recent.add(
+            tier=record.tier,
+            tenant_id=record.tenant_id,
+            is_met=is_met,
+            num_tokens=num_input_tokens + record.completion_tokens,
+            refusal_code=refusal_code,
+            is_counted=is_counted,
+        )
         if self._meter_provider is not None:
             counts = self._counts
             tenant = self.tenant_labels.observe(record.tenant_id)

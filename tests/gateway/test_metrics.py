@@ -8,6 +8,7 @@ import io
 import json
 import logging
 import time
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 import httpx
@@ -307,3 +308,37 @@ def test_batch_lines_are_counted_at_their_tier(live_server: LiveServer) -> None:
         - value(before, "tiergate_requests_total", **ok)
         == 3
     )
+
+
+def test_dashboard_tenants_count_what_the_usage_report_counts() -> None:
+    # A refused prompt's tokens were counted as the tenant's, and an aborted request
+    # (billed, in the usage report) was left out of the tenant's figures altogether.
+    from gateway.usage import UsageRecord
+
+    telemetry = Telemetry(TelemetryConfig.from_env({"OTEL_SDK_DISABLED": "true"}))
+
+    def finished(outcome: str, prompt: int, completion: int) -> None:
+        telemetry.request_finished(
+            UsageRecord(
+                request_id=f"req_{outcome}",
+                tenant_id="ten_a",
+                tier="interactive",
+                model="tiny-random",
+                prompt_tokens=prompt,
+                completion_tokens=completion,
+                queue_wait_ms=1.0,
+                ttft_ms=5.0 if completion else None,
+                e2e_ms=20.0,
+                outcome=outcome,
+                created_at=datetime.now(UTC),
+            )
+        )
+
+    finished("ok", 600, 4)
+    finished("rejected:rate_limit_exceeded", 600, 0)
+    finished("aborted", 600, 2)
+    (tenant,) = telemetry.recent.top_tenants(600, 5)
+    assert (tenant["requests"], tenant["tokens"]) == (3, 604 + 602)
+    # Attainment still leaves the aborted request out: it did not wait for an answer.
+    assert sum(b["requests"].get("interactive", 0) for b in telemetry.recent.series(600)) == 2
+    telemetry.shutdown()
