@@ -7,7 +7,9 @@ KeyAuthenticator caches after they commit, so they apply at once in this process
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import logging
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -96,6 +98,31 @@ async def _check_min_share(session, name: str, min_share: float) -> None:
             f"min_share over all tiers would be {total:g}; it may not exceed 1",
             param="min_share",
         )
+
+
+log = logging.getLogger(__name__)
+
+# When a weight PATCH is applied to the queue again: an enqueue by a gateway that has not
+# heard of the change yet (its caches drop within a second; a request tokenizing a large
+# prompt may take longer) sets the old weight back for the tenant's whole backlog.
+WEIGHT_REAPPLY_S = (1.5, 5.0)
+_reapplying: set[asyncio.Task[None]] = set()
+
+
+def _reapply_later(queue: Any, tenant_id: str, weight: float) -> None:
+    async def reapply() -> None:
+        waited_s = 0.0
+        for at_s in WEIGHT_REAPPLY_S:
+            await asyncio.sleep(at_s - waited_s)
+            waited_s = at_s
+            try:
+                await queue.set_tenant_weight(tenant_id, weight)
+            except Exception as exc:  # the queue away: the tenant's next PATCH applies it
+                log.warning("re-applying tenant %s's weight failed: %r", tenant_id, exc)
+
+    task = asyncio.get_running_loop().create_task(reapply())
+    _reapplying.add(task)
+    task.add_done_callback(_reapplying.discard)
 
 
 def _build_routes(deps: AdminDeps) -> list[BaseRoute]:
@@ -242,6 +269,7 @@ def _build_routes(deps: AdminDeps) -> list[BaseRoute]:
             # second). Also when unchanged, so that repeating a PATCH that answered 503
             # (the queue unreachable after the commit) applies it.
             await deps.queue.set_tenant_weight(tenant.id, tenant.weight)
+            _reapply_later(deps.queue, tenant.id, tenant.weight)
         return JSONResponse(tenant_view(tenant))
 
     async def delete_tenant(request: Request) -> Response:

@@ -71,6 +71,9 @@ class DriverConfig:
     # Failed drives in a row after which the batch is failed: an error that persists
     # (a bug, data the database refuses) would otherwise retry it until its window ends.
     max_drive_failures: int = 5
+    # ...and over at least this long: a database away for a while fails every drive,
+    # and the batches it holds are not at fault.
+    min_failing_s: float = 60.0
     limits: ValidationLimits = field(default_factory=ValidationLimits)
 
     @property
@@ -96,7 +99,8 @@ class BatchDriver:
         self.owner_id = f"{socket.gethostname()[:32]}:{os.getpid()}:{secrets.token_hex(6)}"
         self._driving: dict[str, asyncio.Task[None]] = {}
         self._pokes: dict[str, asyncio.Event] = {}
-        self._failures: dict[str, int] = {}  # batch id -> failed drives in a row
+        # batch id -> (failed drives in a row, monotonic time of the first of them)
+        self._failures: dict[str, tuple[int, float]] = {}
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
 
@@ -162,13 +166,18 @@ class BatchDriver:
             # The lease is released below; this or another gateway picks it up again,
             # after a pause that doubles with each failure in a row (up to the lease), so
             # a batch that keeps failing does not spin.
-            num_failures = self._failures.get(batch_id, 0) + 1
-            self._failures[batch_id] = num_failures
+            num_failures, first_s = self._failures.get(batch_id, (0, time.monotonic()))
+            num_failures += 1
+            self._failures[batch_id] = (num_failures, first_s)
             log.exception("driving batch %s failed (%d in a row)", batch_id, num_failures)
             pause_s = min(
                 self.config.failure_backoff_s * 2 ** (num_failures - 1), self.config.lease_s
             )
-            if num_failures >= self.config.max_drive_failures and await run.give_up():
+            is_persistent = (
+                num_failures >= self.config.max_drive_failures
+                and time.monotonic() - first_s >= self.config.min_failing_s
+            )
+            if is_persistent and await run.give_up():
                 self._failures.pop(batch_id, None)
                 pause_s = 0.0  # ended: no one is to retry it
         finally:

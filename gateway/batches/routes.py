@@ -34,6 +34,7 @@ from gateway.errors import (
 from gateway.tiers import TierCatalog, TierPolicy
 
 FILE_PURPOSES = ("batch",)
+LISTED_PURPOSES = ("batch", "batch_output")  # uploaded, and written by a batch
 BATCH_TIER = "batch"
 DEFAULT_PAGE_SIZE = 20
 MAX_PAGE_SIZE = 100
@@ -127,6 +128,11 @@ class BatchRoutes:
         if order not in ("asc", "desc"):
             raise InvalidRequestError("order must be asc or desc.", param="order")
         after = params.get("after") or None
+        purpose = params.get("purpose") or None
+        if purpose is not None and purpose not in LISTED_PURPOSES:
+            raise InvalidRequestError(
+                f"purpose must be one of {', '.join(LISTED_PURPOSES)}.", param="purpose"
+            )
         page = None
         if after is None or "\x00" not in after:
             page = await self.deps.store.list_files(
@@ -134,7 +140,7 @@ class BatchRoutes:
                 limit=limit,
                 after=after,
                 descending=order == "desc",
-                purpose=params.get("purpose") or None,
+                purpose=purpose,
             )
         if page is None:
             raise InvalidRequestError(f"after names no file of yours: {after!r}.", param="after")

@@ -276,9 +276,10 @@ class BatchStore:
     ) -> list[str]:
         """Take the lease of up to `limit` active batches that have no live owner.
 
-        Tenants with the fewest batches driven (anywhere in the fleet) go first, then
-        the oldest batch; a tenant already driving `per_tenant` batches waits, so one
-        tenant's backlog of batches slows the others instead of holding every slot.
+        The claim goes round the tenants, those with the fewest batches driven
+        (anywhere in the fleet) first, each tenant's oldest batch first; a tenant
+        driving `per_tenant` batches waits, so one tenant's backlog of batches slows
+        the others instead of holding every slot.
         A suspended tenant's batches are left alone (they would only hold a slot) until
         it is active again or they are past their window, when they are claimed to end.
         """
@@ -297,16 +298,24 @@ class BatchStore:
             .scalar_subquery()
         )
         runnable = or_(Tenant.status == "active", BatchRow.expires_at < now)
-        query = (
-            select(BatchRow.id)
+        # A free batch's place: which of its tenant's driven batches it would be (those
+        # driven now, then its rank among the tenant's free ones, oldest first). Taking
+        # the lowest places first goes round the tenants, fewest driven first.
+        rank = func.row_number().over(partition_by=BatchRow.tenant_id, order_by=BatchRow.created_at)
+        free_batches = (
+            select(BatchRow.id, BatchRow.created_at, (num_driven + rank).label("place"))
             .join(Tenant, Tenant.id == BatchRow.tenant_id)
             .where(BatchRow.status.in_(ACTIVE_STATUSES), free, runnable)
-            .order_by(num_driven, BatchRow.created_at)
+            .subquery()
+        )
+        query = (
+            select(free_batches.c.id)
+            .order_by(free_batches.c.place, free_batches.c.created_at)
             .limit(limit)
         )
         if per_tenant is not None:
             # Soft: two drivers claiming at once may both take a tenant's last place.
-            query = query.where(num_driven < per_tenant)
+            query = query.where(free_batches.c.place <= per_tenant)
         async with self._sessionmaker() as session:
             candidates = list((await session.scalars(query)).all())
         claimed = []

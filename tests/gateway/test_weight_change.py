@@ -3,8 +3,9 @@ the in-memory queue and on the Redis queue a fleet shares."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import httpx
 import pytest
@@ -97,3 +98,19 @@ async def test_a_weight_patch_for_a_tenant_without_jobs_stores_nothing(admin: Ad
     assert (await admin.patch_tenant(tenant_id, weight=2.5))["weight"] == 2.5
     # Its next job brings the weight with it; the queue keeps none for idle tenants.
     assert await admin.queue.tenant_weight(tenant_id) is None
+
+
+async def test_a_stale_enqueue_does_not_undo_a_weight_patch(admin: Admin, monkeypatch) -> None:
+    # A gateway that has not heard of the change yet enqueues with the old weight and
+    # sets it back for the whole backlog; the PATCH is applied again once every gateway
+    # knows it (here after 0.2 s instead of 1.5 s and 5 s).
+    from gateway.admin import routes
+
+    monkeypatch.setattr(routes, "WEIGHT_REAPPLY_S", (0.2,))
+    tenant_id = await admin.create_tenant("stale")
+    await admin.queue.enqueue(_job(tenant_id, 1.0))
+    await admin.patch_tenant(tenant_id, weight=4)
+    await admin.queue.enqueue(replace(_job(tenant_id, 1.0), job_id="stale-job"))
+    assert await admin.queue.tenant_weight(tenant_id) == 1.0  # undone...
+    await asyncio.sleep(0.4)
+    assert await admin.queue.tenant_weight(tenant_id) == 4.0  # ...and applied again
