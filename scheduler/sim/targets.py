@@ -267,11 +267,10 @@ def evaluate(experiment: Experiment) -> list[Target]:
             if other not in sweep:
                 continue
             theirs = found[other][kind]
-            r = (
-                mine.goodput_per_s / theirs.goodput_per_s
-                if theirs.goodput_per_s > 0
-                else float("inf")
-            )
+            if theirs.goodput_per_s > 0:
+                r = mine.goodput_per_s / theirs.goodput_per_s
+            else:  # nothing is 1.3x of nothing: only goodput of our own beats none
+                r = float("inf") if mine.goodput_per_s > 0 else 0.0
             if kind == "offered":
                 ok = ok and r >= 1.3
             ratios.append(f"{r:.2f}x {other} ({_load(theirs)}: {theirs.goodput_per_s:.1f})")

@@ -112,6 +112,14 @@ def test_target_4_compares_offered_goodput_with_both_baselines() -> None:
     assert not _target(_experiment(tiered=weak, vtc=ours, priority=weak), 4).passed
 
 
+def test_target_4_is_not_passed_when_no_policy_keeps_90_at_any_load() -> None:
+    # Every policy below 90% everywhere: 0 req/s against 0 read as "infx" and passed.
+    none = {load: _run(interactive=0.2, scale=round(1000 * load)) for load in LOADS}
+    assert not _target(_experiment(tiered=none, vtc=none, priority=none), 4).passed
+    some = _falling({1.5: 0.5, 2.0: 0.5})
+    assert _target(_experiment(tiered=some, vtc=none, priority=none), 4).passed
+
+
 def test_target_4_counts_refusals_as_misses() -> None:
     # Ours admits only 80% of the interactive load at 1.5x and 2.0x but serves all of
     # it within SLO: 100% of admitted, 80% of offered. It does not keep 90% of offered.
