@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 from engine.errors import EngineDeadError, RequestAbortedError
 from gateway.auth import Principal
 from gateway.batches.lines import LineRunner, error_outcome
-from gateway.batches.store import (
+from gateway.batches.store import BatchStore, PendingLine, result_line
+from gateway.batches.validation import LineError, ValidationLimits, validate_input
+from gateway.db.batch_models import (
     CANCELLED,
     CANCELLING,
     COMPLETED,
@@ -37,12 +39,8 @@ from gateway.batches.store import (
     FINALIZING,
     IN_PROGRESS,
     VALIDATING,
-    BatchStore,
-    PendingLine,
-    result_line,
+    BatchRow,
 )
-from gateway.batches.validation import LineError, ValidationLimits, validate_input
-from gateway.db.batch_models import BatchRow
 from gateway.db.models import utcnow
 from gateway.errors import NotFoundError
 from gateway.middleware import new_request_id

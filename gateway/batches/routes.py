@@ -21,9 +21,10 @@ from starlette.routing import BaseRoute, Route
 
 from gateway.auth import KeyAuthenticator, Principal
 from gateway.batches.driver import BatchDriver
-from gateway.batches.store import CANCELLED, CANCELLING, BatchStore
+from gateway.batches.store import BatchStore
 from gateway.batches.validation import COMPLETION_WINDOWS_S, parse_create_request
 from gateway.batches.views import batch_view, file_view
+from gateway.db.batch_models import CANCELLED, CANCELLING
 from gateway.errors import (
     AuthenticationError,
     ConflictError,
@@ -134,7 +135,7 @@ class BatchRoutes:
                 f"purpose must be one of {', '.join(LISTED_PURPOSES)}.", param="purpose"
             )
         page = None
-        if after is None or "\x00" not in after:
+        if after is None or "\x00" not in after:  # no row can hold a NUL
             page = await self.deps.store.list_files(
                 principal.tenant_id,
                 limit=limit,
@@ -237,15 +238,13 @@ class BatchRoutes:
         principal = await self._principal(request)
         limit = _page_size(request.query_params.get("limit"))
         after = request.query_params.get("after") or None
-        # A cursor that names no batch of this tenant is a mistake to report, not an empty
-        # page that reads as "no more batches" (NUL: no row can hold one).
-        if after is not None and (
-            "\x00" in after or await self.deps.store.get_batch(after, principal.tenant_id) is None
-        ):
+        page = None
+        if after is None or "\x00" not in after:  # no row can hold a NUL
+            page = await self.deps.store.list_batches(principal.tenant_id, limit=limit, after=after)
+        if page is None:
+            # A mistake to report, not an empty page that reads as "no more batches".
             raise InvalidRequestError(f"after names no batch of yours: {after!r}.", param="after")
-        rows, has_more = await self.deps.store.list_batches(
-            principal.tenant_id, limit=limit, after=after
-        )
+        rows, has_more = page
         counts = await self.deps.store.line_counts([r.id for r in rows])
         return JSONResponse(_page([batch_view(r, counts.get(r.id)) for r in rows], has_more))
 

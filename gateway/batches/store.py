@@ -215,14 +215,15 @@ class BatchStore:
 
     async def list_batches(
         self, tenant_id: str, *, limit: int, after: str | None
-    ) -> tuple[list[BatchRow], bool]:
-        """A page of the tenant's batches, newest first, and whether more follow."""
+    ) -> tuple[list[BatchRow], bool] | None:
+        """A page of the tenant's batches, newest first, and whether more follow; None if
+        `after` names no batch of the tenant."""
         async with self._sessionmaker() as session:
             query = select(BatchRow).where(BatchRow.tenant_id == tenant_id)
             if after is not None:
                 cursor = await session.get(BatchRow, after)
                 if cursor is None or cursor.tenant_id != tenant_id:
-                    return [], False
+                    return None
                 query = query.where(_past_cursor(BatchRow, cursor.created_at, cursor.id, True))
             rows = list((await session.scalars(_in_order(query, BatchRow, True, limit))).all())
         return rows[:limit], len(rows) > limit
