@@ -196,6 +196,12 @@ class LLMEngine:
                     f"token id {token} is outside the vocabulary [0, {self.vocab_size})",
                     param="prompt",
                 )
+        for token, _ in params.logit_bias:
+            if token >= self.vocab_size:
+                raise InvalidRequestError(
+                    f"logit_bias token id {token} is outside the vocabulary [0, {self.vocab_size})",
+                    param="logit_bias",
+                )
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
             raise ContextLengthExceededError(
                 num_prompt_tokens=len(prompt_token_ids),

@@ -17,7 +17,7 @@ import torch
 from engine.errors import ModelLoadError
 from engine.models import AttentionMetadata, LoadedModel, ModelArch
 from engine.request import Request
-from engine.sampling import sample
+from engine.sampling import OutputCounts, sample
 
 _NUM_DECODE_GROUPS = 4
 _MIN_DECODES_TO_GROUP = 8
@@ -98,9 +98,26 @@ class ModelRunner:
             [c.request.params for c in producing],
             [c.request.num_output_tokens for c in producing],
             self.generator,
+            self._output_counts(producing),
         )
         by_chunk = {id(c): t for c, t in zip(producing, tokens, strict=True)}
         return [by_chunk.get(id(c)) for c in chunks]
+
+    def _output_counts(self, producing: list[Chunk]) -> list[torch.Tensor | None] | None:
+        """Each penalized request's output token counts (None for the others), kept on
+        the request between steps."""
+        if not any(c.request.params.has_penalties for c in producing):
+            return None
+        counts: list[torch.Tensor | None] = []
+        for c in producing:
+            request = c.request
+            if not request.params.has_penalties:
+                counts.append(None)
+                continue
+            if request.output_counts is None:
+                request.output_counts = OutputCounts(self.arch.vocab_size, self.device)
+            counts.append(request.output_counts.update(request.output_token_ids))
+        return counts
 
     def _prepare(self, decodes: list[Chunk], prefills: list[Chunk]):
         bs = self.block_size

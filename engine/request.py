@@ -7,9 +7,16 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.errors import InvalidRequestError
+
+# OpenAI's ranges: penalties in [-2, 2], a logit bias in [-100, 100] (+-100 in effect
+# forces or bans a token).
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass(frozen=True)
@@ -24,6 +31,12 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Subtracted from a token's logit: presence once it has appeared in the output,
+    # frequency once per appearance (OpenAI's definition; output tokens only).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # (token id, bias added to its logit) pairs, sorted by id; a mapping is accepted.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples.
@@ -52,10 +65,45 @@ class SamplingParams:
             raise InvalidRequestError("stop must hold non-empty strings", param="stop")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be token ids", param="stop_token_ids")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_finite_number(value) or abs(value) > MAX_PENALTY:
+                raise InvalidRequestError(
+                    f"{name} must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g}", param=name
+                )
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """`value` (a mapping, or pairs as JSON brings them back) as sorted (id, bias) pairs."""
+    pairs = value.items() if isinstance(value, Mapping) else value
+    malformed = InvalidRequestError("logit_bias must map token ids to biases", param="logit_bias")
+    try:
+        pairs = [tuple(pair) for pair in pairs]  # type: ignore[union-attr]
+    except TypeError:
+        raise malformed from None
+    out = {}
+    for pair in pairs:
+        if len(pair) != 2:
+            raise malformed
+        token, bias = pair
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise InvalidRequestError("logit_bias keys must be token ids", param="logit_bias")
+        if not _is_finite_number(bias) or abs(bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(
+                f"logit_bias values must be between -{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}",
+                param="logit_bias",
+            )
+        out[token] = float(bias)
+    return tuple(sorted(out.items()))
 
 
 def _is_finite_number(value: object) -> bool:
@@ -116,6 +164,9 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_s: float | None = None
     first_token_s: float | None = None
+    # The runner's count of output tokens per vocabulary id (engine.sampling's
+    # OutputCounts), made for a request with penalties and kept across steps.
+    output_counts: Any = field(default=None, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,4 +1,5 @@
-"""Batched token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+"""Batched token sampling: greedy, temperature, top-k, top-p, per-request seeds, logit
+bias and presence/frequency penalties.
 
 Sampling uses the exponential-race form of the categorical draw (argmax of p / E with
 E ~ Exp(1)), so a seeded row only needs its own noise: the noise of a request with a
@@ -27,14 +28,18 @@ def sample(
     params: Sequence[SamplingParams],
     output_positions: Sequence[int],
     generator: torch.Generator | None = None,
+    output_counts: Sequence[torch.Tensor | None] | None = None,
 ) -> list[int]:
     """One token id per row of `logits` `[N, vocab]` (float32).
 
     output_positions[i] is how many tokens row i's request has generated so far; it keys
     the noise of seeded requests. `generator` draws the noise of unseeded ones.
+    output_counts[i] counts those tokens per vocabulary id (`OutputCounts`); it is read
+    only for a row with penalties.
     """
     if logits.shape[0] == 0:
         return []
+    logits = _adjust_logits(logits, params, output_counts)
     is_greedy = [_is_greedy(p) for p in params]
     if all(is_greedy):
         return logits.argmax(dim=-1).tolist()
@@ -55,6 +60,66 @@ def sample(
         rows = torch.tensor(greedy_rows, device=device)
         sampled[rows] = logits[rows].argmax(dim=-1)
     return sampled.tolist()
+
+
+def _adjust_logits(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    output_counts: Sequence[torch.Tensor | None] | None,
+) -> torch.Tensor:
+    """Logit bias and penalties, before temperature (they steer greedy rows too). Both
+    are additive, so their order does not matter. Returns `logits` itself when no row
+    asks for either."""
+    biased = [i for i, p in enumerate(params) if p.logit_bias]
+    penalized = [i for i, p in enumerate(params) if p.has_penalties]
+    if not biased and not penalized:
+        return logits
+    logits = logits.clone()
+    device = logits.device
+    if biased:
+        rows = [i for i in biased for _ in params[i].logit_bias]
+        cols = [token for i in biased for token, _ in params[i].logit_bias]
+        bias = [b for i in biased for _, b in params[i].logit_bias]
+        logits.index_put_(
+            (torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
+            torch.tensor(bias, dtype=logits.dtype, device=device),
+            accumulate=True,
+        )
+    if penalized:
+        if output_counts is None or any(output_counts[i] is None for i in penalized):
+            raise ValueError("penalties need each row's output token counts")
+        counts = torch.stack([output_counts[i] for i in penalized]).to(logits.dtype)
+        frequency = torch.tensor(
+            [params[i].frequency_penalty for i in penalized], dtype=logits.dtype, device=device
+        )
+        presence = torch.tensor(
+            [params[i].presence_penalty for i in penalized], dtype=logits.dtype, device=device
+        )
+        rows = torch.tensor(penalized, device=device)
+        logits[rows] -= counts * frequency[:, None] + (counts > 0) * presence[:, None]
+    return logits
+
+
+class OutputCounts:
+    """One request's output tokens counted per vocabulary id, brought up to date with
+    only the tokens added since the last step: a penalized request reads its counts every
+    step, and recounting a long output each time would cost its whole length."""
+
+    def __init__(self, vocab_size: int, device: torch.device | str) -> None:
+        self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        self.num_counted = 0
+
+    def update(self, output_token_ids: Sequence[int]) -> torch.Tensor:
+        """The counts of `output_token_ids`, which extend the tokens counted before."""
+        if len(output_token_ids) < self.num_counted:  # not an extension: count afresh
+            self.counts.zero_()
+            self.num_counted = 0
+        new = output_token_ids[self.num_counted :]
+        if new:
+            ids = torch.tensor(new, dtype=torch.long, device=self.counts.device)
+            self.counts.index_add_(0, ids, torch.ones(len(new), device=self.counts.device))
+            self.num_counted = len(output_token_ids)
+        return self.counts
 
 
 def _is_greedy(p: SamplingParams) -> bool:

@@ -372,12 +372,22 @@ class OpenAIRoutes:
                 max_model_len=max_model_len,
                 param="max_tokens" if given else ("messages" if chat else "prompt"),
             )
+        vocab_size = self.deps.model.tokenizer.vocab_size
+        for token, _ in options.logit_bias:
+            if token >= vocab_size:
+                raise InvalidRequestError(
+                    f"logit_bias token id {token} is not below the vocabulary size {vocab_size}.",
+                    param="logit_bias",
+                )
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=options.temperature,
             top_p=options.top_p,
             seed=options.seed,
             stop=options.stop,
+            presence_penalty=options.presence_penalty,
+            frequency_penalty=options.frequency_penalty,
+            logit_bias=options.logit_bias,
         )
 
     async def _collect(

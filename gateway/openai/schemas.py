@@ -17,6 +17,10 @@ from gateway.errors import InvalidRequestError
 
 MAX_STOP_SEQUENCES = 4
 MAX_TEMPERATURE = 2.0
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2]
+MAX_LOGIT_BIAS = 100.0
+# Each entry costs every step of the request a little; OpenAI's limit.
+MAX_LOGIT_BIAS_ENTRIES = 300
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
@@ -30,6 +34,9 @@ class GenerationOptions:
     top_p: float
     seed: int | None
     stop: tuple[str, ...]
+    presence_penalty: float
+    frequency_penalty: float
+    logit_bias: tuple[tuple[int, float], ...]  # (token id, bias), sorted by id
     stream: bool
     include_usage: bool
     user: str | None
@@ -130,11 +137,14 @@ def _options(data: dict[str, Any], *, chat: bool) -> GenerationOptions:
                 "stream_options is only allowed when stream is true.", param="stream_options"
             )
         include_usage = _optional(stream_options, "include_usage", bool, "stream_options.") or False
+    penalties = {}
     for penalty in ("presence_penalty", "frequency_penalty"):
-        value = _number(data, penalty, default=0.0)
-        if value != 0.0:
-            raise InvalidRequestError(f"{penalty} is not supported; use 0.", param=penalty)
-    for unsupported in ("logprobs", "top_logprobs", "logit_bias", "tools", "functions", "echo"):
+        penalties[penalty] = _number(data, penalty, default=0.0)
+        if abs(penalties[penalty]) > MAX_PENALTY:
+            raise InvalidRequestError(
+                f"{penalty} must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g}.", param=penalty
+            )
+    for unsupported in ("logprobs", "top_logprobs", "tools", "functions", "echo"):
         if not _is_unset(data.get(unsupported)):
             raise InvalidRequestError(f"{unsupported} is not supported.", param=unsupported)
     # Fields that only have their default here: anything else would be silently ignored.
@@ -150,6 +160,8 @@ def _options(data: dict[str, Any], *, chat: bool) -> GenerationOptions:
         top_p=top_p,
         seed=_seed(data),
         stop=_stop(data),
+        **penalties,
+        logit_bias=_logit_bias(data),
         stream=stream,
         include_usage=include_usage,
         user=_optional(data, "user", str),
@@ -182,6 +194,36 @@ def _same_json(value: Any, expected: Any) -> bool:
             and all(_same_json(value[k], v) for k, v in expected.items())
         )
     return type(value) is type(expected) and value == expected
+
+
+def _logit_bias(data: dict[str, Any]) -> tuple[tuple[int, float], ...]:
+    """{"<token id>": bias, ...} as sorted (id, bias) pairs; whether each id is in the
+    vocabulary the route checks, where the tokenizer is known."""
+    raw = _optional(data, "logit_bias", dict)
+    if not raw:
+        return ()
+    if len(raw) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidRequestError(
+            f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} tokens, not {len(raw)}.",
+            param="logit_bias",
+        )
+    pairs = []
+    for key, value in raw.items():
+        # Decimal digits only: int() would also take " 5", "+5", "5_0" and "٥".
+        if not (key.isascii() and key.isdigit()) or len(key) > 10:
+            raise InvalidRequestError(
+                f"logit_bias keys must be token ids as decimal strings, not {key[:40]!r}.",
+                param="logit_bias",
+            )
+        bias = _as_finite(value)
+        if bias is None or abs(bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(
+                f"logit_bias[{key!r}] must be a number between -{MAX_LOGIT_BIAS:g} and "
+                f"{MAX_LOGIT_BIAS:g}.",
+                param="logit_bias",
+            )
+        pairs.append((int(key), bias))
+    return tuple(sorted(pairs))
 
 
 def _seed(data: dict[str, Any]) -> int | None:
@@ -318,9 +360,22 @@ def _number(data: dict[str, Any], key: str, *, default: float) -> float:
         return default
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidRequestError(f"{key} must be a number, not {_json_type(value)}.", param=key)
-    if not math.isfinite(value):
+    number = _as_finite(value)
+    if number is None:
         raise InvalidRequestError(f"{key} must be a finite number.", param=key)
-    return float(value)
+    return number
+
+
+def _as_finite(value: Any) -> float | None:
+    """A JSON number as a finite float; None for anything else, NaN, infinities and
+    integers beyond float's range (float() would overflow)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def _json_type(value: Any) -> str:

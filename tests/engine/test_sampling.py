@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.sampling import sample
+from engine.sampling import OutputCounts, sample
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +95,114 @@ def test_tiny_temperature_through_the_engine_is_greedy(llm: LLM, temperature: fl
     tiny = SamplingParams(max_tokens=8, temperature=temperature)
     expected = llm.generate([[40, 41, 42]], greedy)[0].token_ids
     assert llm.generate([[40, 41, 42]], tiny)[0].token_ids == expected
+
+
+def test_logit_bias_forces_and_bans_tokens() -> None:
+    logits = _logits(4, 64) * 10
+    forced = SamplingParams(temperature=1.0, logit_bias={7: 100})
+    banned_top = int(logits[1].argmax())
+    banned = SamplingParams(temperature=0.0, logit_bias={banned_top: -100})
+    params = [forced, banned, SamplingParams(temperature=0.0), forced]
+    tokens = sample(logits, params, [0] * 4, torch.Generator().manual_seed(0))
+    assert tokens[0] == tokens[3] == 7
+    assert tokens[1] == int(logits[1].sort(descending=True).indices[1])  # the runner-up
+    assert tokens[2] == int(logits[2].argmax())  # a row without bias is untouched
+
+
+def _counts(outputs: list[list[int]], vocab_size: int) -> list[torch.Tensor]:
+    return [OutputCounts(vocab_size, "cpu").update(ids) for ids in outputs]
+
+
+def test_output_counts_follow_a_growing_output() -> None:
+    counter = OutputCounts(5, "cpu")
+    assert counter.update([]).tolist() == [0, 0, 0, 0, 0]
+    assert counter.update([1, 1]).tolist() == [0, 2, 0, 0, 0]
+    assert counter.update([1, 1, 4]).tolist() == [0, 2, 0, 0, 1]
+    assert counter.update([1, 1, 4]).tolist() == [0, 2, 0, 0, 1]  # nothing new
+    assert counter.update([3]).tolist() == [0, 0, 0, 1, 0]  # not an extension: afresh
+
+
+def test_penalties_follow_openais_formula() -> None:
+    # logit[j] -= count[j] * frequency + (count[j] > 0) * presence, output tokens only.
+    logits = torch.tensor([[5.0, 4.0, 3.5, 0.0]])
+    outputs = [[0, 0, 0, 1]]  # token 0 three times, token 1 once
+    light = SamplingParams(temperature=0.0, frequency_penalty=0.4)  # 3.8, 3.6, 3.5, 0
+    assert sample(logits, [light], [4], output_counts=_counts(outputs, logits.shape[-1])) == [0]
+    more = SamplingParams(temperature=0.0, frequency_penalty=0.6)  # 3.2, 3.4, 3.5, 0
+    assert sample(logits, [more], [4], output_counts=_counts(outputs, logits.shape[-1])) == [2]
+    # 3.4, 3.4, 3.5, 0: presence counts once whatever the count
+    heavier = SamplingParams(temperature=0.0, frequency_penalty=0.5, presence_penalty=0.1)
+    assert sample(logits, [heavier], [4], output_counts=_counts(outputs, logits.shape[-1])) == [2]
+    rewarded = SamplingParams(temperature=0.0, presence_penalty=-2.0)  # 7, 6, 6.5, 0
+    assert sample(
+        torch.tensor([[5.0, 4.0, 6.5, 0.0]]),
+        [rewarded],
+        [4],
+        output_counts=_counts(outputs, logits.shape[-1]),
+    ) == [0]
+    # The caller's logits are left as they were.
+    assert logits.tolist() == [[5.0, 4.0, 3.5, 0.0]]
+
+
+def test_penalties_apply_per_row() -> None:
+    logits = torch.tensor([[3.0, 2.0], [3.0, 2.0], [3.0, 2.0]])
+    params = [
+        SamplingParams(temperature=0.0, frequency_penalty=2.0),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, presence_penalty=2.0),
+    ]
+    outputs = [[0], [0, 0, 0], []]
+    assert sample(logits, params, [1, 3, 0], output_counts=_counts(outputs, logits.shape[-1])) == [
+        1,
+        0,
+        0,
+    ]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+        ({"frequency_penalty": "1"}, "frequency_penalty"),
+        ({"logit_bias": {5: 101}}, "logit_bias"),
+        ({"logit_bias": {-1: 1}}, "logit_bias"),
+        ({"logit_bias": {True: 1}}, "logit_bias"),
+        ({"logit_bias": [[1, 2, 3]]}, "logit_bias"),
+        ({"logit_bias": 5}, "logit_bias"),
+    ],
+)
+def test_bad_penalties_and_biases_are_typed_errors(kwargs: dict, param: str) -> None:
+    from engine.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(**kwargs)
+    assert info.value.param == param
+
+
+def test_logit_bias_survives_the_jobs_json() -> None:
+    from scheduler.job import Job
+
+    params = SamplingParams(max_tokens=3, logit_bias={9: -1.5, 2: 100}, frequency_penalty=0.5)
+    job = Job("j", "t", "interactive", 1, 1.0, (1, 2), params, 0.0)
+    assert Job.from_json(job.to_json()).params == params
+    assert params.logit_bias == ((2, 100.0), (9, -1.5))
+
+
+def test_logit_bias_and_penalties_steer_the_engine(llm: LLM) -> None:
+    forced = llm.generate(["hello"], SamplingParams(max_tokens=6, logit_bias={42: 100}))[0]
+    assert forced.token_ids == [42] * 6
+    with pytest.raises(Exception, match="outside the vocabulary"):
+        llm.generate(["hello"], SamplingParams(max_tokens=2, logit_bias={10**6: 1}))
+    # The tiny model's top logits lie a few tenths apart: rewarding the tokens already
+    # out (a negative penalty) makes greedy decoding repeat them more, and a positive
+    # one on top of a bias that makes a token win keeps it from winning every step.
+    plain = llm.generate(["hello"], SamplingParams(max_tokens=24, temperature=0))[0].token_ids
+    rewarded = llm.generate(
+        ["hello"], SamplingParams(max_tokens=24, temperature=0, presence_penalty=-2.0)
+    )[0].token_ids
+    assert len(set(rewarded)) < len(set(plain))
+    nudged = SamplingParams(max_tokens=12, temperature=0, logit_bias={42: 8.0})
+    assert llm.generate(["hello"], nudged)[0].token_ids == [42] * 12
+    penalized = replace(nudged, frequency_penalty=2.0)
+    assert llm.generate(["hello"], penalized)[0].token_ids.count(42) < 12

@@ -142,6 +142,10 @@ def test_a_prompt_longer_than_any_context_is_refused_unread(live_server: LiveSer
         ({"model": None}, "model"),
         ({"echo": 0}, "echo"),
         ({"logit_bias": 0}, "logit_bias"),
+        ({"logit_bias": {"9999999": 5}}, "logit_bias"),  # beyond the vocabulary
+        ({"logit_bias": {"5": -101}}, "logit_bias"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),
         ({"logprobs": 0}, "logprobs"),
         ({"suffix": "tail"}, "suffix"),
         ({"best_of": 5}, "best_of"),

@@ -82,6 +82,34 @@ def test_seeded_sampling_repeats_and_token_id_prompts_work(live_server: LiveServ
     assert by_text.choices[0].text in texts
 
 
+def test_logit_bias_and_penalties_reach_the_engine(live_server: LiveServer) -> None:
+    client = live_server.client()
+    tokenizer = live_server.engine.tokenizer
+    forced_id = tokenizer.encode(" the")[-1]
+    forced = client.completions.create(
+        model=MODEL, prompt="abc", max_tokens=5, temperature=1.0, logit_bias={str(forced_id): 100}
+    )
+    assert forced.choices[0].text == tokenizer.decode([forced_id] * 5)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0, logit_bias={forced_id: 100}
+    )
+    assert chat.choices[0].message.content == tokenizer.decode([forced_id] * 4)
+    # Greedy decoding of the tiny model repeats no token in 16; a negative penalty
+    # (a reward) on the tokens already out makes it repeat them.
+    plain = client.completions.create(model=MODEL, prompt="abc", max_tokens=16, temperature=0)
+    rewarded = client.completions.create(
+        model=MODEL, prompt="abc", max_tokens=16, temperature=0, frequency_penalty=-2.0
+    )
+    assert rewarded.choices[0].text != plain.choices[0].text
+    ids = tokenizer.encode(rewarded.choices[0].text)
+    assert len(set(ids)) < len(ids)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(
+            model=MODEL, prompt="abc", max_tokens=2, logit_bias={str(tokenizer.vocab_size): 1}
+        )
+    assert info.value.body["param"] == "logit_bias"
+
+
 def test_stop_string_truncates_and_finishes_with_stop(live_server: LiveServer) -> None:
     client = live_server.client()
     full = client.completions.create(model=MODEL, prompt="abc", max_tokens=12, temperature=0)

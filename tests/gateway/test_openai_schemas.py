@@ -49,6 +49,25 @@ def test_completion_defaults_and_fields() -> None:
     assert (opts.max_tokens, opts.temperature, opts.top_p, opts.seed) == (5, 0.0, 0.5, 7)
     assert (opts.stop, opts.stream, opts.include_usage) == (("\n",), True, True)
     assert (opts.user, opts.service_tier) == ("u1", "batch")
+    assert (opts.presence_penalty, opts.frequency_penalty, opts.logit_bias) == (0.0, 0.0, ())
+
+
+def test_penalties_and_logit_bias_are_parsed() -> None:
+    opts = parse_chat_request(
+        _body(
+            model="m",
+            messages=[{"role": "user", "content": "x"}],
+            presence_penalty=-2,
+            frequency_penalty=1.5,
+            logit_bias={"50": -100, "7": 2.5, "0": 0},
+        )
+    ).options
+    assert (opts.presence_penalty, opts.frequency_penalty) == (-2.0, 1.5)
+    assert opts.logit_bias == ((0, 0.0), (7, 2.5), (50, -100.0))
+    assert (
+        parse_completion_request(_body(model="m", prompt="x", logit_bias={})).options.logit_bias
+        == ()
+    )
 
 
 @pytest.mark.parametrize(
@@ -119,7 +138,23 @@ def test_chat_messages_and_max_completion_tokens() -> None:
         ),
         ({"model": "m", "prompt": "x", "user": 5}, "user"),
         ({"model": "m", "prompt": "x", "service_tier": 1}, "service_tier"),
-        ({"model": "m", "prompt": "x", "presence_penalty": 1}, "presence_penalty"),
+        ({"model": "m", "prompt": "x", "presence_penalty": 2.01}, "presence_penalty"),
+        ({"model": "m", "prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
+        ({"model": "m", "prompt": "x", "frequency_penalty": "1"}, "frequency_penalty"),
+        ({"model": "m", "prompt": "x", "temperature": 10**400}, "temperature"),
+        ({"model": "m", "prompt": "x", "logit_bias": [1]}, "logit_bias"),
+        ({"model": "m", "prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
+        ({"model": "m", "prompt": "x", "logit_bias": {" 5": 1}}, "logit_bias"),
+        ({"model": "m", "prompt": "x", "logit_bias": {"-5": 1}}, "logit_bias"),
+        ({"model": "m", "prompt": "x", "logit_bias": {"\u0665": 1}}, "logit_bias"),
+        ({"model": "m", "prompt": "x", "logit_bias": {"5": 100.5}}, "logit_bias"),
+        ({"model": "m", "prompt": "x", "logit_bias": {"5": "1"}}, "logit_bias"),
+        ({"model": "m", "prompt": "x", "logit_bias": {"5": None}}, "logit_bias"),
+        ({"model": "m", "prompt": "x", "logit_bias": {"5": 10**400}}, "logit_bias"),
+        (
+            {"model": "m", "prompt": "x", "logit_bias": {str(i): 1 for i in range(301)}},
+            "logit_bias",
+        ),
         ({"model": "m", "prompt": "x", "logprobs": 2}, "logprobs"),
         ({"model": "m", "prompt": "x", "echo": True}, "echo"),
     ],
