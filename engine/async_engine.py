@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, EngineError, InvalidRequestError
 from engine.llm_engine import EngineStats, LLMEngine, RequestOutput
-from engine.request import Priority, SamplingParams
+from engine.request import FinishReason, Priority, SamplingParams
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -293,8 +293,19 @@ class AsyncEngine:
                     commands, self._commands = self._commands, []
                 for command in commands:
                     self._apply(command)
-                self._deliver_all(self._engine.step())
-                self._snapshot()
+                outputs = self._engine.step()
+                # A request that stopped before its max_tokens frees held work that the
+                # capacity report made as its end is published must not count: the
+                # snapshot goes first then (a step that only ran requests out needs
+                # none; what they held was down to nothing).
+                stopped_early = any(
+                    o.finished and o.finish_reason is not FinishReason.LENGTH for o in outputs
+                )
+                if stopped_early:
+                    self._snapshot(force=True)
+                self._deliver_all(outputs)
+                if not stopped_early:
+                    self._snapshot()
         except BaseException as exc:
             logger.exception("engine loop crashed")
             self._die(EngineDeadError(f"the engine loop crashed: {exc!r}"))
@@ -383,10 +394,10 @@ class AsyncEngine:
         with self._lock:
             return self._streams.pop(request_id, None)
 
-    def _snapshot(self) -> None:
+    def _snapshot(self, *, force: bool = False) -> None:
         engine = self._engine
         now_s = time.monotonic()
-        if now_s - self._stats_at_s >= STATS_EVERY_S or not engine.has_unfinished():
+        if force or now_s - self._stats_at_s >= STATS_EVERY_S or not engine.has_unfinished():
             self._stats = engine.stats()
             self._stats_at_s = now_s
         ranks = {r.priority.rank for r in engine.scheduler.running}

@@ -20,7 +20,7 @@ from engine.errors import ContextLengthExceededError, InvalidRequestError, Model
 from engine.model_runner import ModelRunner, kv_cache_budget_bytes, num_kv_blocks
 from engine.models import load_model
 from engine.phase_rates import PhaseRates
-from engine.request import FinishReason, Priority, Request, SamplingParams
+from engine.request import FinishReason, Priority, Request, SamplingParams, TokenLogprob
 from engine.step_scheduler import SchedulerConfig, StepPlan, StepScheduler
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -48,6 +48,10 @@ class RequestOutput:
     output_ids_so_far: list[int] = field(repr=False, compare=False)
     text_pieces_so_far: list[str] = field(repr=False, compare=False)
     num_text_pieces: int = field(repr=False)
+    # This step's token's log-probability, for a request that asks for logprobs.
+    new_logprobs: tuple[TokenLogprob, ...] = ()
+    logprobs_so_far: list[TokenLogprob] = field(default_factory=list, repr=False, compare=False)
+    num_logprobs: int = field(default=0, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -62,6 +66,11 @@ class RequestOutput:
     def text(self) -> str:
         """The text sent so far (the joined text deltas)."""
         return "".join(self.text_pieces_so_far[: self.num_text_pieces])
+
+    @property
+    def logprobs(self) -> list[TokenLogprob]:
+        """The log-probabilities of the output tokens so far (made by this engine)."""
+        return self.logprobs_so_far[: self.num_logprobs]
 
 
 @dataclass(frozen=True)
@@ -94,10 +103,12 @@ class _Tracked:
         new_token_ids: list[int],
         text_delta: str,
         finish_reason: FinishReason | None,
+        new_logprobs: tuple[TokenLogprob, ...] = (),
     ) -> RequestOutput:
         request = self.request
         if text_delta:
             self.text_pieces.append(text_delta)
+        request.output_logprobs.extend(new_logprobs)
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -110,6 +121,9 @@ class _Tracked:
             output_ids_so_far=request.output_token_ids,
             text_pieces_so_far=self.text_pieces,
             num_text_pieces=len(self.text_pieces),
+            new_logprobs=new_logprobs,
+            logprobs_so_far=request.output_logprobs,
+            num_logprobs=len(request.output_logprobs),
         )
 
 
@@ -298,7 +312,9 @@ class LLMEngine:
             if reason is not None:
                 self.scheduler.finish(request, reason)
                 del self._tracked[request.request_id]
-            outputs.append(tracked.output([token], delta.text, reason))
+            logprob, request.new_logprob = request.new_logprob, None
+            new_logprobs = () if logprob is None else (logprob,)
+            outputs.append(tracked.output([token], delta.text, reason, new_logprobs))
         return outputs
 
     def _record(self, plan: StepPlan, elapsed_s: float) -> None:

@@ -17,7 +17,7 @@ import torch
 from engine.errors import ModelLoadError
 from engine.models import AttentionMetadata, LoadedModel, ModelArch
 from engine.request import Request
-from engine.sampling import OutputCounts, sample
+from engine.sampling import OutputCounts, sample, token_logprobs
 
 _NUM_DECODE_GROUPS = 4
 _MIN_DECODES_TO_GROUP = 8
@@ -100,6 +100,11 @@ class ModelRunner:
             self.generator,
             self._output_counts(producing),
         )
+        num_top = [c.request.params.logprobs for c in producing]
+        if any(n is not None for n in num_top):
+            logprobs = token_logprobs(logits, tokens, num_top)
+            for c, logprob in zip(producing, logprobs, strict=True):
+                c.request.new_logprob = logprob
         by_chunk = {id(c): t for c, t in zip(producing, tokens, strict=True)}
         return [by_chunk.get(id(c)) for c in chunks]
 

@@ -17,6 +17,18 @@ from engine.errors import InvalidRequestError
 # forces or bans a token).
 MAX_PENALTY = 2.0
 MAX_LOGIT_BIAS = 100.0
+MAX_TOP_LOGPROBS = 20  # OpenAI's cap on top_logprobs
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability under the model (its own distribution: before
+    temperature, penalties, bias and top-k/top-p, as OpenAI and vLLM report it), and the
+    `top` most likely tokens' (id, log-probability), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -37,6 +49,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     # (token id, bias added to its logit) pairs, sorted by id; a mapping is accepted.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # None: no log-probabilities; n: each sampled token's, with the n most likely.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples.
@@ -72,6 +86,14 @@ class SamplingParams:
                     f"{name} must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g}", param=name
                 )
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool)
+            or not isinstance(self.logprobs, int)
+            or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise InvalidRequestError(
+                f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}", param="logprobs"
+            )
 
     @property
     def is_greedy(self) -> bool:
@@ -167,6 +189,12 @@ class Request:
     # The runner's count of output tokens per vocabulary id (engine.sampling's
     # OutputCounts), made for a request with penalties and kept across steps.
     output_counts: Any = field(default=None, repr=False)
+    # For a request that asks for logprobs: the runner leaves the one of the token it
+    # just sampled here, and the engine appends it to output_logprobs (which then holds
+    # one per output token made by this engine: a resumed request's earlier tokens have
+    # none here).
+    new_logprob: TokenLogprob | None = field(default=None, repr=False)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:

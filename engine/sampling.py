@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.request import SamplingParams
+from engine.request import SamplingParams, TokenLogprob
 
 _NOISE_FLOOR = 1e-10  # keeps the exponential noise away from zero (division below)
 # Temperatures below this sample greedily (vLLM uses the same cut-off). Dividing float32
@@ -100,6 +100,30 @@ def _adjust_logits(
     return logits
 
 
+def token_logprobs(
+    logits: torch.Tensor, tokens: Sequence[int], num_top: Sequence[int | None]
+) -> list[TokenLogprob | None]:
+    """Per row of `logits` (the model's, unadjusted): the log-probability of the token
+    sampled for it and its `num_top[i]` most likely tokens, or None where num_top[i] is
+    None. One log-softmax and one top-k over the rows that ask."""
+    rows = [i for i, n in enumerate(num_top) if n is not None]
+    if not rows:
+        return [None] * len(tokens)
+    device = logits.device
+    logprobs = logits[torch.tensor(rows, device=device)].float().log_softmax(dim=-1)
+    chosen_ids = torch.tensor([tokens[i] for i in rows], device=device)
+    chosen = logprobs.gather(1, chosen_ids[:, None])[:, 0].tolist()
+    k = max(num_top[i] or 0 for i in rows)
+    if k:
+        top_values, top_ids = (t.tolist() for t in logprobs.topk(k, dim=-1))
+    out: list[TokenLogprob | None] = [None] * len(tokens)
+    for n, i in enumerate(rows):
+        wanted = num_top[i] or 0
+        top = tuple(zip(top_ids[n][:wanted], top_values[n][:wanted], strict=True)) if k else ()
+        out[i] = TokenLogprob(tokens[i], chosen[n], top)
+    return out
+
+
 class OutputCounts:
     """One request's output tokens counted per vocabulary id, brought up to date with
     only the tokens added since the last step: a penalized request reads its counts every
@@ -141,7 +165,9 @@ def _apply_top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -
     # before it already reaches top_p (the top token always survives).
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+    # The top token is never cut, even by a top_p that float32 rounds to 0 (below ~1e-45).
+    is_cut = (mass_before >= top_p[:, None]) & (ranks > 0)
+    sorted_logits = sorted_logits.masked_fill(is_cut, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 

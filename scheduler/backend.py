@@ -102,6 +102,8 @@ class ResultEvent:
     # measured by the worker from the job's arrival_s (so the gateway needs no event of
     # its own to learn when the job left the queue).
     queue_wait_ms: float | None = None
+    # The tokens' log-probabilities (scheduler.logprobs), "" when not asked for.
+    logprobs: str = ""
 
     @property
     def is_terminal(self) -> bool:
@@ -360,12 +362,14 @@ class QueueBackend(Protocol):
         *,
         finish_reason: str = "",
         queue_wait_ms: float | None = None,
+        logprobs: str = "",
     ) -> bool:
         """One engine step of a leased job, atomically: its tokens event (when there are
         tokens or text), their charge to the tenant and, with a `finish_reason`, the done
         event that finishes the job. `queue_wait_ms` (the lease's first step) goes with
-        the first of those events (ResultEvent). False, with nothing written, when
-        `worker_id` no longer holds the job."""
+        the first of those events, and `logprobs` (encoded, scheduler.logprobs) with the
+        tokens (ResultEvent). False, with nothing written, when `worker_id` no longer
+        holds the job."""
         ...
 
     async def complete(

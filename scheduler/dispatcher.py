@@ -28,14 +28,15 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from engine.errors import EngineDeadError, InvalidRequestError
-from engine.request import Priority, SamplingParams
+from engine.request import Priority, SamplingParams, TokenLogprob
 from scheduler.backend import WORKER_DETAIL_TYPES, BackendUnavailableError, QueueBackend
 from scheduler.job import Job
+from scheduler.logprobs import encode_logprobs
 from scheduler.results import ENGINE_ERROR, INVALID_REQUEST
 
 log = logging.getLogger(__name__)
@@ -134,6 +135,8 @@ class Dispatcher:
         self._best_rank: int | None = None
         self._best_rank_at_s = 0.0
         self.num_dispatched = 0
+        self._report_task: asyncio.Task[None] | None = None
+        self._report_again = False
 
     @property
     def is_running(self) -> bool:
@@ -173,10 +176,11 @@ class Dispatcher:
             task.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
-        if self._heartbeat_task is not None:
-            self._heartbeat_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._heartbeat_task
+        for task in (self._heartbeat_task, self._report_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         # Lapse at once instead of after capacity_ttl_ms: admission stops counting us.
         with contextlib.suppress(Exception):
             await self._backend.publish_capacity(
@@ -202,6 +206,33 @@ class Dispatcher:
             decode_tokens_by_rank=getattr(snapshot, "decode_tokens_by_rank", None),
             **{name: getattr(snapshot, name, None) for name in WORKER_DETAIL_TYPES},
         )
+
+    def _report_capacity_soon(self) -> None:
+        """Report the engine's held work now rather than at the next heartbeat: a job left
+        the engine before using all its max_tokens. Admission adds the reported backlog
+        to the work ahead of each request, and a finished job's unused tokens counted
+        there for up to a heartbeat: a client sending one request after another to an
+        idle server was refused as SLO-unattainable. One report at a time; jobs that end
+        while one is on its way get one more after it."""
+        if self._is_stopping:
+            return
+        if self._report_task is not None and not self._report_task.done():
+            self._report_again = True
+            return
+        self._report_task = asyncio.create_task(self._report_capacity(), name="capacity-report")
+
+    async def _report_capacity(self) -> None:
+        while True:
+            self._report_again = False
+            try:
+                await self.publish_capacity()
+            except BackendUnavailableError:
+                return  # the heartbeat reports (and logs) when the queue is back
+            except Exception:
+                log.exception("capacity report failed")
+                return
+            if not self._report_again:
+                return
 
     # ----------------------------------------------------------------- leasing
     async def _run(self) -> None:
@@ -271,10 +302,12 @@ class Dispatcher:
 
     async def _drive(self, running: _Running) -> None:
         job, backend, worker = running.job, self._backend, self.worker_id
+        ran_out = False  # ended by using all its max_tokens: nothing it held is left over
         # Every publish below checks this worker still holds the job.
         try:
             remaining = job.params.max_tokens - len(job.resumed_token_ids)
             if remaining <= 0:  # the previous worker streamed everything but the end
+                ran_out = True
                 await backend.publish_step(
                     job.job_id,
                     worker,
@@ -304,8 +337,20 @@ class Dispatcher:
                     new_ids = [t for output in batch for t in output.new_token_ids]
                     text = "".join(output.text_delta for output in batch)
                     finish_reason = _finish_reason(batch[-1])
+                    logprobs = [
+                        lp for output in batch for lp in getattr(output, "new_logprobs", ())
+                    ]
+                    if finish_reason is not None:
+                        ran_out = finish_reason == "length"
+                        if not ran_out:
+                            # Before the client hears of the end, so that its next
+                            # request does not meet this job's unused tokens.
+                            self._report_capacity_soon()
                     if new_ids or text or finish_reason is not None:
-                        if not await self._publish_step(running, new_ids, text, finish_reason):
+                        published = await self._publish_step(
+                            running, new_ids, text, finish_reason, logprobs
+                        )
+                        if not published:
                             return  # cancelled, or reclaimed by another worker
                         running.queue_wait_ms = None  # sent
                     if finish_reason is not None:
@@ -337,9 +382,16 @@ class Dispatcher:
         finally:
             self._running.pop(job.job_id, None)
             self._capacity_freed.set()
+            if not ran_out:
+                self._report_capacity_soon()  # coalesces with the one made at the end
 
     async def _publish_step(
-        self, running: _Running, token_ids: list[int], text: str, finish_reason: str | None
+        self,
+        running: _Running,
+        token_ids: list[int],
+        text: str,
+        finish_reason: str | None,
+        logprobs: Sequence[TokenLogprob] = (),
     ) -> bool:
         """Publish one step (QueueBackend.publish_step), with the lease's queue wait on
         its first; False when this worker no longer holds the job."""
@@ -350,6 +402,7 @@ class Dispatcher:
             text,
             finish_reason=finish_reason or "",
             queue_wait_ms=running.queue_wait_ms,
+            logprobs=encode_logprobs(logprobs),
         )
 
     # ----------------------------------------------------------------- heartbeat

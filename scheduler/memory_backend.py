@@ -688,6 +688,7 @@ class MemoryBackend:
         *,
         finish_reason: str = "",
         queue_wait_ms: float | None = None,
+        logprobs: str = "",
     ) -> bool:
         entry = self._owned(job_id, worker_id)
         if entry is None:
@@ -695,7 +696,11 @@ class MemoryBackend:
         stream, now_ms = self._stream(job_id), self._clock_ms()
         if token_ids or text:
             stream.append(
-                EventKind.TOKENS, token_ids=tuple(token_ids), text=text, queue_wait_ms=queue_wait_ms
+                EventKind.TOKENS,
+                token_ids=tuple(token_ids),
+                text=text,
+                queue_wait_ms=queue_wait_ms,
+                logprobs=logprobs,
             )
             job = entry.job
             self._charge(job.tier, job.tenant_id, job.weight, 0, len(token_ids), now_ms)

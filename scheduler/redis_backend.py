@@ -548,6 +548,7 @@ class RedisBackend:
         *,
         finish_reason: str = "",
         queue_wait_ms: float | None = None,
+        logprobs: str = "",
     ) -> bool:
         """QueueBackend.publish_step in one round trip (publish_step.lua)."""
         c = self._config
@@ -566,6 +567,7 @@ class RedisBackend:
             self._result_ttl_ms,
             self._finished_ttl_ms,
             _optional(queue_wait_ms),
+            logprobs,
         )
         return bool(published)
 
@@ -666,4 +668,5 @@ def _event(entry_id: str, fields: dict[str, str]) -> ResultEvent:
         code=fields.get("c", ""),
         message=fields.get("m", ""),
         queue_wait_ms=float(fields["q"]) if "q" in fields else None,
+        logprobs=fields.get("l", ""),
     )

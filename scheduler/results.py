@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import EngineDeadError, RequestAbortedError
+from engine.request import TokenLogprob
 from scheduler.backend import (
     QUEUE_TIMEOUT,
     EventKind,
@@ -30,6 +31,7 @@ from scheduler.backend import (
     SloBudget,
 )
 from scheduler.job import Job
+from scheduler.logprobs import decode_logprobs
 
 # Codes a worker ends a stream with (ResultEvent.code).
 ENGINE_ERROR = "engine_error"
@@ -73,6 +75,8 @@ class StreamOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    # The new tokens' log-probabilities, for a job that asked for them.
+    new_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 _END = object()
@@ -167,6 +171,7 @@ class JobStream:
             finish_reason=event.finish_reason or None if finished else None,
             num_prompt_tokens=self.job.num_prompt_tokens,
             num_output_tokens=self.num_output_tokens,
+            new_logprobs=decode_logprobs(event.logprobs),
         )
 
     def _error(self, event: ResultEvent) -> BaseException:

@@ -19,6 +19,7 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from engine.errors import EngineDeadError, EngineError, RequestAbortedError
+from engine.request import TokenLogprob
 from gateway.auth import Principal
 from gateway.errors import GatewayError, InvalidRequestError, error_code, error_response
 from gateway.openai import routes as openai_routes
@@ -99,6 +100,7 @@ class LineRunner:
         record.prompt_tokens = job.num_prompt_tokens
         stream = self._jobs.submit(job)
         pieces: list[str] = []
+        logprobs: list[TokenLogprob] = []
         finish_reason: str | None = None
         try:
             async for output in stream:
@@ -107,6 +109,7 @@ class LineRunner:
                 record.prompt_tokens = output.num_prompt_tokens
                 record.completion_tokens = output.num_output_tokens
                 pieces.append(output.text_delta)
+                logprobs.extend(output.new_logprobs)
                 if output.finished and output.finish_reason is not None:
                     finish_reason = str(output.finish_reason)
         except (RequestAbortedError, EngineDeadError):
@@ -119,10 +122,13 @@ class LineRunner:
             request_id, model=self.model_name, service_tier=tier.name, chat=chat
         )
         usage = Usage(record.prompt_tokens, record.completion_tokens)
+        writer = None
+        if job.params.logprobs is not None:
+            writer = self._routes.logprobs_writer(chat=chat)
         return LineOutcome(
             200,
             request_id,
-            shape.full("".join(pieces), finish_reason, usage),
+            shape.full("".join(pieces), finish_reason, usage, writer and writer.body(logprobs)),
             record.prompt_tokens,
             record.completion_tokens,
         )

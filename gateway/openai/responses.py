@@ -66,19 +66,30 @@ class ResponseShape:
             "service_tier": self.service_tier,
         }
 
-    def full(self, text: str, finish_reason: str | None, usage: Usage) -> dict[str, Any]:
-        """The non-streaming response body."""
+    def full(
+        self,
+        text: str,
+        finish_reason: str | None,
+        usage: Usage,
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """The non-streaming response body (`logprobs` from gateway.openai.logprobs)."""
         if self.chat:
             body = self._envelope("chat.completion")
             choice: dict[str, Any] = {
                 "index": 0,
                 "message": {"role": "assistant", "content": text, "refusal": None},
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }
         else:
             body = self._envelope("text_completion")
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
         body["choices"] = [choice]
         body["usage"] = usage.as_dict()
         return body
@@ -90,6 +101,7 @@ class ResponseShape:
         *,
         first: bool = False,
         include_usage: bool = False,
+        logprobs: dict[str, Any] | None = None,
     ) -> bytes:
         """One streamed chunk. With include_usage every chunk carries `usage: null`."""
         if self.chat:
@@ -100,7 +112,7 @@ class ResponseShape:
             choice: dict[str, Any] = {
                 "index": 0,
                 "delta": delta,
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }
         else:
@@ -108,7 +120,7 @@ class ResponseShape:
             choice = {
                 "index": 0,
                 "text": text_delta,
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }
         body["choices"] = [choice]

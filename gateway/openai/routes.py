@@ -27,7 +27,7 @@ from engine.errors import (
     PromptTooLongError,
     RequestAbortedError,
 )
-from engine.request import SamplingParams
+from engine.request import SamplingParams, TokenLogprob
 from gateway.admission import Admission
 from gateway.auth import KeyAuthenticator, Principal
 from gateway.errors import (
@@ -41,6 +41,7 @@ from gateway.errors import (
 )
 from gateway.middleware import request_id_of
 from gateway.observability import RequestTimeline, Telemetry
+from gateway.openai.logprobs import LogprobsWriter, TokenTexts
 from gateway.openai.responses import SSE_DONE, ResponseShape, Usage
 from gateway.openai.schemas import (
     ChatCompletionRequest,
@@ -159,6 +160,7 @@ class OpenAIRoutes:
         self.deps = deps
         # Large prompts tokenized at once in worker threads; more wait their turn.
         self._off_loop_slots = asyncio.Semaphore(OFF_LOOP_SLOTS)
+        self._token_texts: TokenTexts | None = None
 
     def routes(self) -> list[BaseRoute]:
         return [
@@ -229,7 +231,7 @@ class OpenAIRoutes:
                 # before any token (engine refusal, shutdown) still gets its status code.
                 first = await self._unless_disconnected(request, _next_or_none(outputs))
             else:
-                text, finish_reason = await self._unless_disconnected(
+                text, finish_reason, logprobs = await self._unless_disconnected(
                     request, self._collect(exchange, outputs)
                 )
         except ClientDisconnectedError:
@@ -244,16 +246,18 @@ class OpenAIRoutes:
         except Exception:
             self._finish(exchange, "error")
             raise
+        writer = None if options.logprobs is None else self.logprobs_writer(chat=chat)
         if options.stream:
             exchange.is_stream = True
             return StreamingResponse(
-                self._stream(exchange, shape, first, outputs, options.include_usage),
+                self._stream(exchange, shape, first, outputs, options.include_usage, writer),
                 media_type="text/event-stream",
                 headers={"cache-control": "no-cache", **headers},
             )
         self._finish(exchange, "ok")
         usage = Usage(exchange.num_prompt_tokens, exchange.num_completion_tokens)
-        return JSONResponse(shape.full(text, finish_reason, usage), headers=headers)
+        body = shape.full(text, finish_reason, usage, writer and writer.body(logprobs))
+        return JSONResponse(body, headers=headers)
 
     async def _admit(
         self, exchange: _Exchange, job: Job, tier: TierPolicy, *, max_tokens_given: bool
@@ -363,14 +367,14 @@ class OpenAIRoutes:
             max_tokens = remaining if chat else min(DEFAULT_COMPLETION_MAX_TOKENS, remaining)
             max_tokens = max(max_tokens, 1)
         if num_prompt_tokens + max_tokens > max_model_len:
-            # The field to change: max_tokens if the client set it, else the prompt alone
-            # is too long.
-            given = options.max_tokens is not None
+            # The field to change: max_tokens if the client set it and the prompt leaves
+            # room for a token, else the prompt.
+            change_max_tokens = options.max_tokens is not None and num_prompt_tokens < max_model_len
             raise ContextLengthExceededError(
                 num_prompt_tokens=num_prompt_tokens,
                 max_tokens=max_tokens,
                 max_model_len=max_model_len,
-                param="max_tokens" if given else ("messages" if chat else "prompt"),
+                param="max_tokens" if change_max_tokens else ("messages" if chat else "prompt"),
             )
         vocab_size = self.deps.model.tokenizer.vocab_size
         for token, _ in options.logit_bias:
@@ -388,19 +392,29 @@ class OpenAIRoutes:
             presence_penalty=options.presence_penalty,
             frequency_penalty=options.frequency_penalty,
             logit_bias=options.logit_bias,
+            top_k=options.top_k,
+            logprobs=options.logprobs,
         )
 
     async def _collect(
         self, exchange: _Exchange, outputs: AsyncIterator[Any]
-    ) -> tuple[str, str | None]:
+    ) -> tuple[str, str | None, list[TokenLogprob]]:
         pieces: list[str] = []
+        logprobs: list[TokenLogprob] = []
         finish_reason: str | None = None
         async for output in outputs:
             self._account(exchange, output)
             pieces.append(output.text_delta)
+            logprobs.extend(output.new_logprobs)
             if output.finished:
                 finish_reason = _finish_reason(output)
-        return "".join(pieces), finish_reason
+        return "".join(pieces), finish_reason, logprobs
+
+    def logprobs_writer(self, *, chat: bool) -> LogprobsWriter:
+        """A response's logprobs objects (the token texts are shared by every response)."""
+        if self._token_texts is None:
+            self._token_texts = TokenTexts(self.deps.model.tokenizer)
+        return LogprobsWriter(self._token_texts, chat=chat)
 
     async def _stream(
         self,
@@ -409,21 +423,31 @@ class OpenAIRoutes:
         first: Any,
         outputs: AsyncIterator[Any],
         include_usage: bool,
+        writer: LogprobsWriter | None = None,
     ) -> AsyncIterator[bytes]:
         outcome = "aborted"
+        # Log-probabilities of tokens whose text is held back wait for the next chunk.
+        logprobs: list[TokenLogprob] = []
         try:
             if shape.chat:
                 yield shape.chunk("", None, first=True, include_usage=include_usage)
             output = first
             while output is not None:
                 self._account(exchange, output, is_streamed=True)
+                logprobs.extend(output.new_logprobs)
                 finish_reason = _finish_reason(output) if output.finished else None
                 if output.text_delta or finish_reason is not None:
                     if exchange.first_token_s is None:
                         # TTFT ends when the first token is sent: a token whose text is
                         # held back (part of a character, a possible stop string) is not.
                         exchange.first_token_s = time.monotonic()
-                    yield shape.chunk(output.text_delta, finish_reason, include_usage=include_usage)
+                    yield shape.chunk(
+                        output.text_delta,
+                        finish_reason,
+                        include_usage=include_usage,
+                        logprobs=writer and writer.body(logprobs),
+                    )
+                    logprobs = []
                 output = await _next_or_none(outputs)
             if include_usage:
                 yield shape.usage_chunk(

@@ -37,6 +37,10 @@ class GenerationOptions:
     presence_penalty: float
     frequency_penalty: float
     logit_bias: tuple[tuple[int, float], ...]  # (token id, bias), sorted by id
+    top_k: int  # 0: no cut (vLLM's extension; -1 means the same there)
+    # None: no log-probabilities; n: each token's with the n most likely (chat's
+    # top_logprobs, or the text endpoint's logprobs).
+    logprobs: int | None
     stream: bool
     include_usage: bool
     user: str | None
@@ -110,8 +114,9 @@ def _options(data: dict[str, Any], *, chat: bool) -> GenerationOptions:
         raise InvalidRequestError("model must not be empty.", param="model")
     max_tokens = _optional(data, "max_tokens", int)
     # max_completion_tokens is the newer name and wins when both are given (a null one
-    # is not given: the value checked, and named in an error, is max_tokens then).
-    newer = _optional(data, "max_completion_tokens", int) if chat else None
+    # is not given: the value checked, and named in an error, is max_tokens then). The
+    # legacy text endpoint takes it too, rather than ignore it for the default length.
+    newer = _optional(data, "max_completion_tokens", int)
     if newer is not None:
         max_tokens = newer
     if max_tokens is not None and max_tokens < 1:
@@ -144,7 +149,7 @@ def _options(data: dict[str, Any], *, chat: bool) -> GenerationOptions:
             raise InvalidRequestError(
                 f"{penalty} must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g}.", param=penalty
             )
-    for unsupported in ("logprobs", "top_logprobs", "tools", "functions", "echo"):
+    for unsupported in _UNSUPPORTED:
         if not _is_unset(data.get(unsupported)):
             raise InvalidRequestError(f"{unsupported} is not supported.", param=unsupported)
     # Fields that only have their default here: anything else would be silently ignored.
@@ -162,6 +167,8 @@ def _options(data: dict[str, Any], *, chat: bool) -> GenerationOptions:
         stop=_stop(data),
         **penalties,
         logit_bias=_logit_bias(data),
+        top_k=_top_k(data),
+        logprobs=_chat_logprobs(data) if chat else _completion_logprobs(data),
         stream=stream,
         include_usage=include_usage,
         user=_optional(data, "user", str),
@@ -169,6 +176,24 @@ def _options(data: dict[str, Any], *, chat: bool) -> GenerationOptions:
     )
 
 
+# Fields refused unless unset (null, false, empty): each asks for something this server
+# does not do, and ignoring it would answer a different question. OpenAI's, then the
+# sampling extensions of vLLM and others that a client may send in the body.
+_UNSUPPORTED = (
+    "tools",
+    "functions",
+    "echo",
+    "audio",
+    "web_search_options",
+    "prediction",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
 # Unsupported fields and the values of theirs that ask for nothing (OpenAI's defaults).
 _DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "response_format": ({"type": "text"},),
@@ -176,7 +201,51 @@ _DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "best_of": (1,),
     "tool_choice": ("none",),
     "function_call": ("none",),
+    "modalities": (["text"],),
 }
+MAX_COMPLETION_LOGPROBS = 5  # the text endpoint's cap
+MAX_TOP_LOGPROBS = 20  # chat's
+
+
+def _completion_logprobs(data: dict[str, Any]) -> int | None:
+    """The text endpoint's `logprobs`: how many top tokens to list with each token."""
+    if data.get("top_logprobs") is not None:
+        raise InvalidRequestError(
+            "top_logprobs is a chat completions field; here logprobs takes the count.",
+            param="top_logprobs",
+        )
+    n = _optional(data, "logprobs", int)
+    if n is not None and not 0 <= n <= MAX_COMPLETION_LOGPROBS:
+        raise InvalidRequestError(
+            f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}.", param="logprobs"
+        )
+    return n
+
+
+def _chat_logprobs(data: dict[str, Any]) -> int | None:
+    """Chat's `logprobs: true` with `top_logprobs: n` (0 when not given)."""
+    wanted = _optional(data, "logprobs", bool) or False
+    n = _optional(data, "top_logprobs", int)
+    if n is not None:
+        if not 0 <= n <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(
+                f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}.", param="top_logprobs"
+            )
+        if not wanted:
+            raise InvalidRequestError(
+                "top_logprobs needs logprobs set to true.", param="top_logprobs"
+            )
+    return (n or 0) if wanted else None
+
+
+def _top_k(data: dict[str, Any]) -> int:
+    """vLLM's `top_k`: sample among the k most likely tokens; 0 or -1 for all."""
+    k = _optional(data, "top_k", int)
+    if k is None or k in (0, -1):
+        return 0
+    if k < 1:
+        raise InvalidRequestError("top_k must be -1, 0 or a positive integer.", param="top_k")
+    return k
 
 
 def _is_unset(value: Any) -> bool:
@@ -279,6 +348,12 @@ def _messages(data: dict[str, Any]) -> tuple[ChatMessage, ...]:
                 f"{where}.role must be one of {', '.join(sorted(CHAT_ROLES))}.",
                 param=f"{where}.role",
             )
+        for unsupported in ("tool_calls", "function_call", "audio"):
+            # A replayed tool call would vanish from the prompt unnoticed.
+            if not _is_unset(item.get(unsupported)):
+                raise InvalidRequestError(
+                    f"{where}.{unsupported} is not supported.", param=f"{where}.{unsupported}"
+                )
         content = _content(item.get("content"), role, f"{where}.content")
         messages.append(ChatMessage(role, content, _optional(item, "name", str, f"{where}.")))
     return tuple(messages)

@@ -5,7 +5,10 @@
 -- ARGV: 1 prefix, 2 now_ms, 3 job_id, 4 worker_id, 5 token ids csv, 6 text,
 --       7 output tokens, 8 input_token_weight, 9 output_token_weight, 10 share_bucket_ms,
 --       11 finish reason ('' while the job runs on), 12 result_ttl_ms, 13 finished_ttl_ms,
---       14 queue wait ms or '' (on the step's first event; see ResultEvent)
+--       14 queue wait ms or '' (on the step's first event; see ResultEvent),
+--       15 the tokens' log-probabilities (scheduler/logprobs.py) or ''
+-- Stream entry fields: k kind, q queue wait, t token ids, x text, l log-probabilities,
+--       f finish reason.
 -- Returns: 1 when published, 0 when the worker no longer holds the job (nothing written).
 local id = ARGV[3]
 local h = redis.call('HMGET', K.job .. id, 'st', 'wk', 'tier', 'tenant', 'w')
@@ -25,6 +28,10 @@ if ARGV[5] ~= '' or ARGV[6] ~= '' then
   if ARGV[6] ~= '' then
     fields[#fields + 1] = 'x'
     fields[#fields + 1] = ARGV[6]
+  end
+  if ARGV[15] ~= '' then
+    fields[#fields + 1] = 'l'
+    fields[#fields + 1] = ARGV[15]
   end
   emit(id, ARGV[12], fields)
   charge(h[3], h[4], tonumber(h[5]), 0, tonumber(ARGV[7]), tonumber(ARGV[8]),

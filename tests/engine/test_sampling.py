@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.sampling import OutputCounts, sample
+from engine.sampling import OutputCounts, sample, token_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -206,3 +206,35 @@ def test_logit_bias_and_penalties_steer_the_engine(llm: LLM) -> None:
     assert llm.generate(["hello"], nudged)[0].token_ids == [42] * 12
     penalized = replace(nudged, frequency_penalty=2.0)
     assert llm.generate(["hello"], penalized)[0].token_ids.count(42) < 12
+
+
+def test_token_logprobs_are_the_models_own() -> None:
+    logits = _logits(3, 32)
+    tokens = [5, 9, 1]
+    out = token_logprobs(logits, tokens, [2, None, 0])
+    expected = logits.log_softmax(-1)
+    assert out[1] is None
+    assert out[0].token_id == 5
+    assert out[0].logprob == pytest.approx(expected[0, 5].item())
+    top_ids = expected[0].topk(2).indices.tolist()
+    assert [t for t, _ in out[0].top] == top_ids
+    assert [v for _, v in out[0].top] == pytest.approx(expected[0, top_ids].tolist())
+    assert (out[2].token_id, out[2].top) == (1, ())
+    assert out[2].logprob == pytest.approx(expected[2, 1].item())
+    assert token_logprobs(logits, tokens, [None] * 3) == [None] * 3
+
+
+def test_logprobs_ignore_temperature_and_bias(llm: LLM) -> None:
+    # What the model thinks of each token, not what the sampling knobs made of it.
+    greedy = llm.generate(["hello"], SamplingParams(max_tokens=5, temperature=0, logprobs=3))[0]
+    assert len(greedy.logprobs) == 5
+    assert [lp.token_id for lp in greedy.logprobs] == greedy.token_ids
+    for lp in greedy.logprobs:
+        assert lp.top[0][0] == lp.token_id
+        assert lp.top[0][1] == lp.logprob <= 0.0
+        assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+    hot = SamplingParams(max_tokens=5, temperature=2.0, seed=3, logprobs=1, logit_bias={42: 100})
+    forced = llm.generate(["hello"], hot)[0]
+    assert forced.token_ids == [42] * 5
+    assert all(lp.logprob < lp.top[0][1] for lp in forced.logprobs)  # 42 is not the top
+    assert llm.generate(["hello"], SamplingParams(max_tokens=2))[0].logprobs == []

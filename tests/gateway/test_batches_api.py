@@ -174,6 +174,7 @@ def test_text_completions_batch(live_server: LiveServer) -> None:
         }
         for i in range(4)
     ]
+    lines[0]["body"]["logprobs"] = 1  # a line gets what the live endpoint would give
     batch = _wait(client, _submit(client, lines, COMPLETIONS).id)
     assert batch.status == "completed"
     output = _results(client, batch.output_file_id)
@@ -182,6 +183,13 @@ def test_text_completions_batch(live_server: LiveServer) -> None:
         assert result["response"]["body"]["object"] == "text_completion"
         # A priority tenant's batch still runs at the batch tier.
         assert result["response"]["body"]["service_tier"] == "batch"
+        logprobs = result["response"]["body"]["choices"][0]["logprobs"]
+        if result["custom_id"] == "c0":
+            tokens = result["response"]["body"]["usage"]["completion_tokens"]
+            assert len(logprobs["token_logprobs"]) == tokens
+            assert all(len(top) == 1 for top in logprobs["top_logprobs"])
+        else:
+            assert logprobs is None
     assert batch.error_file_id is None
 
 

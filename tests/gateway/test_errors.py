@@ -93,8 +93,9 @@ def test_context_length_exceeded(live_server: LiveServer) -> None:
             max_completion_tokens=4,
         )
     assert chat.value.code == "context_length_exceeded"
-    # The field to change: max_tokens when it was given, else the prompt itself.
-    assert (info.value.param, chat.value.param) == ("max_tokens", "max_tokens")
+    # The field to change: max_tokens when it was given and the prompt leaves room for
+    # a token, else the prompt itself (here the chat prompt alone is too long).
+    assert (info.value.param, chat.value.param) == ("max_tokens", "messages")
     with pytest.raises(openai.BadRequestError) as alone:
         client.completions.create(model=MODEL, prompt="word " * live_server.max_model_len)
     assert (alone.value.code, alone.value.param) == ("context_length_exceeded", "prompt")
@@ -146,7 +147,7 @@ def test_a_prompt_longer_than_any_context_is_refused_unread(live_server: LiveSer
         ({"logit_bias": {"5": -101}}, "logit_bias"),
         ({"presence_penalty": 3}, "presence_penalty"),
         ({"frequency_penalty": -2.5}, "frequency_penalty"),
-        ({"logprobs": 0}, "logprobs"),
+        ({"logprobs": 9}, "logprobs"),
         ({"suffix": "tail"}, "suffix"),
         ({"best_of": 5}, "best_of"),
         ({"response_format": {"type": "json_object"}}, "response_format"),

@@ -110,6 +110,68 @@ def test_logit_bias_and_penalties_reach_the_engine(live_server: LiveServer) -> N
     assert info.value.body["param"] == "logit_bias"
 
 
+def test_text_completion_logprobs_streamed_and_not(live_server: LiveServer) -> None:
+    client = live_server.client()
+    whole = client.completions.create(
+        model=MODEL, prompt="abc", max_tokens=6, temperature=0, logprobs=2
+    )
+    lp = whole.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == whole.usage.completion_tokens
+    assert len(lp.top_logprobs) == len(lp.tokens)
+    offsets = [0]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) <= 2  # two ids may share a text
+        assert logprob == max(top.values()) <= 0.0  # greedy: the top token
+        assert top[token] == logprob
+        offsets.append(offsets[-1] + len(token))
+    assert lp.text_offset == offsets[:-1]
+    streamed = client.completions.create(
+        model=MODEL, prompt="abc", max_tokens=6, temperature=0, logprobs=2, stream=True
+    )
+    tokens, logprobs, offsets = [], [], []
+    for chunk in streamed:
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            tokens += chunk.choices[0].logprobs.tokens
+            logprobs += chunk.choices[0].logprobs.token_logprobs
+            offsets += chunk.choices[0].logprobs.text_offset
+    assert tokens == lp.tokens
+    assert logprobs == pytest.approx(lp.token_logprobs, abs=1e-4)
+    assert offsets == lp.text_offset
+    plain = client.completions.create(model=MODEL, prompt="abc", max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_chat_logprobs_and_top_k(live_server: LiveServer) -> None:
+    client = live_server.client()
+    reply = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens
+    for entry in content:
+        assert bytes(entry.bytes).decode("utf-8") == entry.token
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob == entry.logprob  # greedy
+        values = [t.logprob for t in entry.top_logprobs]
+        assert values == sorted(values, reverse=True)
+    streamed = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0, logprobs=True, stream=True
+    )
+    entries = [
+        e
+        for c in streamed
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    assert [e.token for e in entries] == [e.token for e in content]
+    assert all(e.top_logprobs == [] for e in entries)  # top_logprobs not given: none
+    # top_k=1 (vLLM's extension, through the client's extra_body) samples greedily.
+    hot = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=5, temperature=1.5, extra_body={"top_k": 1}
+    )
+    assert hot.choices[0].message.content == reply.choices[0].message.content
+
+
 def test_stop_string_truncates_and_finishes_with_stop(live_server: LiveServer) -> None:
     client = live_server.client()
     full = client.completions.create(model=MODEL, prompt="abc", max_tokens=12, temperature=0)

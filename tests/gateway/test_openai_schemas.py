@@ -52,6 +52,44 @@ def test_completion_defaults_and_fields() -> None:
     assert (opts.presence_penalty, opts.frequency_penalty, opts.logit_bias) == (0.0, 0.0, ())
 
 
+def test_logprobs_top_k_and_max_completion_tokens_are_parsed() -> None:
+    text = parse_completion_request(
+        _body(model="m", prompt="x", logprobs=3, top_k=-1, max_completion_tokens=7)
+    ).options
+    assert (text.logprobs, text.top_k, text.max_tokens) == (3, 0, 7)
+    assert parse_completion_request(_body(model="m", prompt="x", logprobs=0)).options.logprobs == 0
+    assert parse_completion_request(_body(model="m", prompt="x")).options.logprobs is None
+    messages = [{"role": "user", "content": "x"}]
+    chat = parse_chat_request(
+        _body(model="m", messages=messages, logprobs=True, top_logprobs=20, top_k=5)
+    ).options
+    assert (chat.logprobs, chat.top_k) == (20, 5)
+    plain = parse_chat_request(_body(model="m", messages=messages, logprobs=True)).options
+    assert plain.logprobs == 0
+    off = parse_chat_request(_body(model="m", messages=messages, logprobs=False)).options
+    assert off.logprobs is None
+    for bad, param in (
+        ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"logprobs": 1}, "logprobs"),
+    ):
+        with pytest.raises(InvalidRequestError) as info:
+            parse_chat_request(_body(model="m", messages=messages, **bad))
+        assert info.value.param == param
+
+
+def test_replayed_tool_calls_are_refused_not_dropped() -> None:
+    messages = [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]},
+    ]
+    with pytest.raises(InvalidRequestError) as info:
+        parse_chat_request(_body(model="m", messages=messages))
+    assert info.value.param == "messages[1].tool_calls"
+    messages[1]["tool_calls"] = []  # asks for nothing
+    assert parse_chat_request(_body(model="m", messages=messages)).messages[1].content == ""
+
+
 def test_penalties_and_logit_bias_are_parsed() -> None:
     opts = parse_chat_request(
         _body(
@@ -155,7 +193,18 @@ def test_chat_messages_and_max_completion_tokens() -> None:
             {"model": "m", "prompt": "x", "logit_bias": {str(i): 1 for i in range(301)}},
             "logit_bias",
         ),
-        ({"model": "m", "prompt": "x", "logprobs": 2}, "logprobs"),
+        ({"model": "m", "prompt": "x", "logprobs": 6}, "logprobs"),
+        ({"model": "m", "prompt": "x", "logprobs": True}, "logprobs"),
+        ({"model": "m", "prompt": "x", "logprobs": -1}, "logprobs"),
+        ({"model": "m", "prompt": "x", "top_logprobs": 2}, "top_logprobs"),
+        ({"model": "m", "prompt": "x", "top_k": -2}, "top_k"),
+        ({"model": "m", "prompt": "x", "top_k": 1.5}, "top_k"),
+        ({"model": "m", "prompt": "x", "min_p": 0.1}, "min_p"),
+        ({"model": "m", "prompt": "x", "repetition_penalty": 1.1}, "repetition_penalty"),
+        ({"model": "m", "prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
+        ({"model": "m", "prompt": "x", "modalities": ["text", "audio"]}, "modalities"),
+        ({"model": "m", "prompt": "x", "audio": {"voice": "alloy"}}, "audio"),
+        ({"model": "m", "prompt": "x", "web_search_options": {"a": 1}}, "web_search_options"),
         ({"model": "m", "prompt": "x", "echo": True}, "echo"),
     ],
 )

@@ -9,6 +9,7 @@ from collections import Counter
 
 import pytest
 
+from engine.request import TokenLogprob
 from scheduler.backend import (
     QUEUE_TIMEOUT,
     DuplicateJobError,
@@ -17,6 +18,7 @@ from scheduler.backend import (
     QueueFullError,
     UnknownTierError,
 )
+from scheduler.logprobs import decode_logprobs, encode_logprobs
 from scheduler.policy import PolicyConfigError, TierConfig
 
 LEASE_MS = 5_000
@@ -288,6 +290,20 @@ async def test_the_queue_wait_travels_with_an_event(backend, make_job) -> None:
     ]
     (done,) = [e async for e in backend.results(second.job_id)]
     assert (done.kind, done.queue_wait_ms) == (EventKind.DONE, 0.25)
+
+
+async def test_logprobs_travel_with_their_tokens(backend, make_job) -> None:
+    await backend.enqueue(make_job("a"))
+    (job,) = await backend.dispatch_many("w1", LEASE_MS, 1)
+    sent = (TokenLogprob(7, -0.25, ((7, -0.25), (3, -1.5))), TokenLogprob(8, -3.0))
+    assert await backend.publish_step(
+        job.job_id, "w1", [7, 8], "ab", logprobs=encode_logprobs(sent)
+    )
+    assert await backend.publish_step(job.job_id, "w1", [9], "c", finish_reason="stop")
+    first, second, done = [e async for e in backend.results(job.job_id)]
+    assert decode_logprobs(first.logprobs) == sent
+    assert (second.token_ids, second.logprobs) == ((9,), "")  # a step without: none stored
+    assert done.kind is EventKind.DONE
 
 
 async def _collect(events) -> list:

@@ -143,3 +143,42 @@ async def test_dispatcher_publishes_its_engines_backlog(engine) -> None:
     finally:
         await dispatcher.aclose(0)
         await jobs.aclose()
+
+
+async def test_a_job_that_stops_early_leaves_no_backlog_behind(engine) -> None:
+    # Admission adds the reported backlog to the work ahead; a job that stopped before
+    # its max_tokens used to count there until the next heartbeat (a second), and a
+    # client's next request to an idle server was refused as SLO-unattainable.
+    prompt = (5, 6, 7)
+    greedy = SamplingParams(max_tokens=80, temperature=0, ignore_eos=True)
+    tokens = [t async for out in engine.generate(list(prompt), greedy) for t in out.new_token_ids]
+    stop_at = next(i for i in range(40, 80) if tokens[i] not in tokens[:i])
+    backend = MemoryBackend([TierConfig("rank2", rank=2)])
+    # Heartbeats far apart: only the report made at the job's end can clear its backlog.
+    config = DispatcherConfig(lease_ms=20_000, heartbeat_ms=5_000, capacity_ttl_ms=10_000)
+    dispatcher = Dispatcher(backend, engine, worker_id="w1", config=config)
+    jobs = JobClient(backend, on_enqueue=dispatcher.notify)
+    dispatcher.start()
+    params = SamplingParams(
+        max_tokens=120, temperature=0, ignore_eos=True, stop_token_ids=(tokens[stop_at],)
+    )
+    job = Job("early", "t", "rank2", 2, 1.0, prompt, params, time.time())
+    try:
+        stream = (await jobs.submit_and_wait(job)).__aiter__()
+        await anext(stream)
+        for _ in range(250):  # the engine thread publishes its stats after the step
+            if engine.stats().num_running == 1:
+                break
+            await asyncio.sleep(0.01)
+        await dispatcher.publish_capacity()  # a heartbeat while it runs
+        fleet = await backend.fleet_capacity()
+        assert fleet.decode_tokens_by_rank[2] > 120 - stop_at
+        outputs = [output async for output in stream]
+        assert outputs[-1].finish_reason == "stop"
+        assert outputs[-1].num_output_tokens == stop_at + 1
+        await asyncio.sleep(0.01)  # a client's next request takes longer to arrive
+        fleet = await backend.fleet_capacity()
+        assert dict(fleet.decode_tokens_by_rank) == {}
+    finally:
+        await dispatcher.aclose(0)
+        await jobs.aclose()
