@@ -111,8 +111,8 @@ class RateLimitExceededError(Exception):
 
 @dataclass
 class _Bucket:
-    req: int = 0
-    tok: int = 0
+    req: int | None = None  # None: full (see _level)
+    tok: int | None = None
     ts_ms: int | None = None
     inflight: dict[str, int] = field(default_factory=dict)  # reservation id -> lapses at ms
 
@@ -158,6 +158,12 @@ def _refused(
     )
 
 
+def _level(level: int | None, per_minute: int) -> int:
+    """A bucket's stored level; a bucket that kept none (no limit until now, or a new
+    tenant) is full, so that a limit set on an unlimited tenant starts it full."""
+    return per_minute * UNITS_PER_TOKEN if level is None else level
+
+
 def wall_clock_ms() -> int:
     return time.time_ns() // 1_000_000
 
@@ -186,14 +192,8 @@ class MemoryRateLimiter:
             del b.inflight[key]
         rpm, tpm, max_conc = limits.rpm or 0, limits.tpm or 0, limits.max_concurrency or 0
         elapsed = 0 if b.ts_ms is None else max(0, now - b.ts_ms)
-        req = min(
-            rpm * UNITS_PER_TOKEN,
-            (rpm * UNITS_PER_TOKEN if b.ts_ms is None else b.req) + elapsed * rpm,
-        )
-        tok = min(
-            tpm * UNITS_PER_TOKEN,
-            (tpm * UNITS_PER_TOKEN if b.ts_ms is None else b.tok) + elapsed * tpm,
-        )
+        req = min(rpm * UNITS_PER_TOKEN, _level(b.req, rpm) + elapsed * rpm)
+        tok = min(tpm * UNITS_PER_TOKEN, _level(b.tok, tpm) + elapsed * tpm)
         outcome, wait = "ok", 0
         cost = num_tokens * UNITS_PER_TOKEN
         if tpm and num_tokens > tpm:
@@ -208,11 +208,12 @@ class MemoryRateLimiter:
                 wait = max(req_wait, tok_wait)
         if outcome != "ok":
             raise _refused(outcome, wait, limits, num_tokens, _status(limits, req, tok))
-        b.req = req - UNITS_PER_TOKEN if rpm else req
-        b.tok = tok - cost if tpm else tok
+        b.req = req - UNITS_PER_TOKEN if rpm else None
+        b.tok = tok - cost if tpm else None
         b.ts_ms = now
         b.inflight[rid] = now + hold_ms
-        return Reservation(rid, tenant_id, num_tokens, limits, _status(limits, b.req, b.tok))
+        status = _status(limits, b.req or 0, b.tok or 0)  # a level is None only unlimited
+        return Reservation(rid, tenant_id, num_tokens, limits, status)
 
     async def renew(self, reservations: Sequence[Reservation], hold_ms: int) -> int:
         """Hold the slots of `reservations` for `hold_ms` from now; how many were still
@@ -238,8 +239,10 @@ class MemoryRateLimiter:
         rpm, tpm = reservation.limits.rpm or 0, reservation.limits.tpm or 0
         refund = max(0, reservation.num_tokens - num_used_tokens) * UNITS_PER_TOKEN
         elapsed = max(0, now - b.ts_ms)
-        b.req = min(rpm * UNITS_PER_TOKEN, b.req + elapsed * rpm)
-        b.tok = min(tpm * UNITS_PER_TOKEN, b.tok + elapsed * tpm + refund)
+        b.req = min(rpm * UNITS_PER_TOKEN, _level(b.req, rpm) + elapsed * rpm) if rpm else None
+        b.tok = (
+            min(tpm * UNITS_PER_TOKEN, _level(b.tok, tpm) + elapsed * tpm + refund) if tpm else None
+        )
         b.ts_ms = now
         return True
 

@@ -13,7 +13,14 @@ local h = redis.call('HMGET', bucket_key, 'req', 'tok', 'ts')
 if not h[3] then return 1 end
 -- Both levels move to now together, since they share one timestamp.
 local elapsed = math.max(0, now - tonumber(h[3]))
-local req = math.min(rpm * U, tonumber(h[1]) + elapsed * rpm)
-local tok = math.min(tpm * U, tonumber(h[2]) + elapsed * tpm + tonumber(ARGV[7]) * U)
-redis.call('HSET', bucket_key, 'req', string.format('%d', req), 'tok', string.format('%d', tok), 'ts', now)
+local req = math.min(rpm * U, tonumber(h[1] or rpm * U) + elapsed * rpm)
+local tok = math.min(tpm * U, tonumber(h[2] or tpm * U) + elapsed * tpm + tonumber(ARGV[7]) * U)
+-- An unlimited bucket keeps no level (see rate_reserve.lua).
+local levels, unlimited = {'ts', now}, {}
+if rpm > 0 then table.insert(levels, 'req'); table.insert(levels, string.format('%d', req))
+else table.insert(unlimited, 'req') end
+if tpm > 0 then table.insert(levels, 'tok'); table.insert(levels, string.format('%d', tok))
+else table.insert(unlimited, 'tok') end
+redis.call('HSET', bucket_key, unpack(levels))
+if #unlimited > 0 then redis.call('HDEL', bucket_key, unpack(unlimited)) end
 return 1

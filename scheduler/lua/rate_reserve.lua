@@ -1,7 +1,8 @@
 -- rate_reserve.lua: atomically reserve one request and prompt + max_tokens tokens from a
 -- tenant's RPM and TPM buckets and one concurrency slot (mirrors scheduler/rate_limit.py).
 -- Bucket levels are integers in 1/60000 of a token (or request), so a bucket of L per
--- minute refills exactly L units per ms and every wait is exact.
+-- minute refills exactly L units per ms and every wait is exact. A bucket with no limit
+-- keeps no level: a limit set later starts it full, as a new tenant's.
 -- KEYS: none; every key derives from the prefix in ARGV[1] (scheduler/keys.py).
 -- ARGV: 1 prefix, 2 now_ms, 3 tenant, 4 rpm (0 = none), 5 tpm (0 = none),
 --       6 max_concurrency (0 = none), 7 tokens to reserve, 8 reservation id, 9 hold_ms
@@ -33,7 +34,13 @@ if req_wait > 0 or tok_wait > 0 then
 end
 if rpm > 0 then req = req - U end
 if tpm > 0 then tok = tok - cost * U end
-redis.call('HSET', bucket_key, 'req', string.format('%d', req), 'tok', string.format('%d', tok), 'ts', now)
+local levels, unlimited = {'ts', now}, {}
+if rpm > 0 then table.insert(levels, 'req'); table.insert(levels, string.format('%d', req))
+else table.insert(unlimited, 'req') end
+if tpm > 0 then table.insert(levels, 'tok'); table.insert(levels, string.format('%d', tok))
+else table.insert(unlimited, 'tok') end
+redis.call('HSET', bucket_key, unpack(levels))
+if #unlimited > 0 then redis.call('HDEL', bucket_key, unpack(unlimited)) end
 redis.call('PEXPIRE', bucket_key, 120000)
 redis.call('ZADD', inflight_key, now + tonumber(ARGV[9]), ARGV[8])
 redis.call('PEXPIRE', inflight_key, tonumber(ARGV[9]))

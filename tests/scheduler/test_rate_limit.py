@@ -140,3 +140,22 @@ async def test_renewed_slots_stay_held_and_the_others_lapse(limiter, clock) -> N
     assert await limiter.release(kept, 1)
     assert await limiter.renew([kept, again], 1_000) == 1  # the released one stays released
     assert await limiter.renew([], 1_000) == 0
+
+
+async def test_a_limit_set_on_an_unlimited_tenant_starts_full(limiter, clock) -> None:
+    # An unlimited bucket used to store a level of 0, which a limit set later read as
+    # empty: five requests after PATCH rpm=10 were all refused.
+    unlimited = TenantLimits(rpm=None, tpm=1_000)
+    first = await limiter.reserve("t", unlimited, 10)
+    assert await limiter.release(first, 10)
+    clock.advance(2_000)
+    limited = TenantLimits(rpm=10, tpm=None)
+    for _ in range(10):
+        reservation = await limiter.reserve("t", limited, 500)
+    assert reservation.status.remaining_requests == 0
+    with pytest.raises(RateLimitExceededError) as refused:
+        await limiter.reserve("t", limited, 1)
+    assert refused.value.limit == "requests"
+    # And the token bucket, unlimited meanwhile, starts full when limited again.
+    clock.advance(60_000)
+    assert (await limiter.reserve("t", unlimited, 1_000)).status.remaining_tokens == 0
