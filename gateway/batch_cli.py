@@ -186,6 +186,9 @@ def _print(payload: Any) -> int:
 
 
 def _submit(client: BatchClient, args: argparse.Namespace) -> int:
+    if args.file.is_dir():
+        print(f"tiergate batch: {args.file} is a directory, not a JSONL file", file=sys.stderr)
+        return 2
     if not args.file.is_file():
         print(f"tiergate batch: no such file: {args.file}", file=sys.stderr)
         return 2

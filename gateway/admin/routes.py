@@ -15,6 +15,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm.exc import StaleDataError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
@@ -166,44 +167,68 @@ def _build_routes(deps: AdminDeps) -> list[BaseRoute]:
         changes = parse_fields(await read_json_object(request), TIER_FIELDS)
         async with sessions() as session:
             tier = await _tier_or_404(session, request)
-            if changes.get("name", tier.name) != tier.name:
+            name = tier.name
+            if changes.get("name", name) != name:
                 raise InvalidRequestError("A tier cannot be renamed", param="name")
             if "min_share" in changes:
-                await _check_min_share(session, tier.name, changes["min_share"])
+                await _check_min_share(session, name, changes["min_share"])
             repo.apply_changes(tier, changes)
-            await session.commit()
+            try:
+                await session.commit()
+            except StaleDataError:  # deleted since it was read: the UPDATE matched no row
+                raise NotFoundError(f"No tier {name!r}", param="name") from None
         deps.tiers.invalidate()
         return JSONResponse(tier_view(tier))
 
     async def delete_tier(request: Request) -> Response:
         async with sessions() as session:
-            tier = await _tier_or_404(session, request)
-            num_tenants = await repo.count_tenants_on_tier(session, tier.name)
+            # The name, not the instance: a failed commit expires the instance, and
+            # reading it again would need the rolled-back transaction.
+            name = (await _tier_or_404(session, request)).name
+            num_tenants = await repo.count_tenants_on_tier(session, name)
             if num_tenants:
                 raise ConflictError(
-                    f"Tier {tier.name!r} is used by {num_tenants} tenant(s); move them first",
+                    f"Tier {name!r} is used by {num_tenants} tenant(s); move them first",
                     code="tier_in_use",
                 )
-            num_batches = await repo.count_open_batches_on_tier(session, tier.name)
+            num_batches = await repo.count_open_batches_on_tier(session, name)
             if num_batches:
                 raise ConflictError(
-                    f"Tier {tier.name!r} runs {num_batches} unfinished batch(es); cancel them "
+                    f"Tier {name!r} runs {num_batches} unfinished batch(es); cancel them "
                     "or let them end first",
                     code="tier_in_use",
                 )
-            await session.delete(tier)
             try:
+                # The row count, not the read above, says whether this call deleted it.
+                deleted = await repo.delete_tier(session, name)
                 await session.commit()
             except IntegrityError:  # a tenant joined the tier meanwhile
-                raise ConflictError(f"Tier {tier.name!r} is in use", code="tier_in_use") from None
+                raise ConflictError(f"Tier {name!r} is in use", code="tier_in_use") from None
+            if not deleted:
+                raise NotFoundError(f"No tier {name!r}", param="name")
         deps.tiers.invalidate()
-        return JSONResponse({"object": "tier", "name": tier.name, "deleted": True})
+        return JSONResponse({"object": "tier", "name": name, "deleted": True})
 
     # --- tenants -------------------------------------------------------------------
 
+    def _unknown_tier(name: str) -> InvalidRequestError:
+        return InvalidRequestError(f"Unknown tier {name!r}", param="tier", code="unknown_tier")
+
     async def _check_tier_exists(session, name: str) -> None:
         if await repo.get_tier(session, name) is None:
-            raise InvalidRequestError(f"Unknown tier {name!r}", param="tier", code="unknown_tier")
+            raise _unknown_tier(name)
+
+    async def _tenant_write_conflict(
+        session, *, name: str | None, tier: str | None
+    ) -> InvalidRequestError | ConflictError:
+        """Why a tenant write that passed its checks failed at a constraint: a call in
+        between deleted its tier (answered as the check would have) or took its name."""
+        await session.rollback()
+        if tier is not None and await repo.get_tier(session, tier) is None:
+            return _unknown_tier(tier)
+        if name is not None and await repo.get_tenant_by_name(session, name) is not None:
+            return ConflictError(f"Tenant {name!r} already exists", param="name")
+        return ConflictError("Tenant name or tier changed concurrently; try again")
 
     async def list_tenants(request: Request) -> Response:
         limit = query_int(request, "limit", default=100, min=1, max=1000)
@@ -234,7 +259,9 @@ def _build_routes(deps: AdminDeps) -> list[BaseRoute]:
             try:
                 await session.commit()
             except IntegrityError:
-                raise ConflictError(f"Tenant {values['name']!r} already exists") from None
+                raise await _tenant_write_conflict(
+                    session, name=values["name"], tier=values["tier"]
+                ) from None
         return JSONResponse(tenant_view(tenant), status_code=201)
 
     async def _tenant_or_404(session, request: Request) -> Tenant:
@@ -252,16 +279,21 @@ def _build_routes(deps: AdminDeps) -> list[BaseRoute]:
         changes = parse_fields(await read_json_object(request), TENANT_FIELDS)
         async with sessions() as session:
             tenant = await _tenant_or_404(session, request)
+            tenant_id = tenant.id
             if "tier" in changes:
                 await _check_tier_exists(session, changes["tier"])
             renamed = changes.get("name", tenant.name) != tenant.name
             if renamed and await repo.get_tenant_by_name(session, changes["name"]) is not None:
-                raise ConflictError(f"Tenant {changes['name']!r} already exists")
+                raise ConflictError(f"Tenant {changes['name']!r} already exists", param="name")
             repo.apply_changes(tenant, changes)
             try:
                 await session.commit()
+            except StaleDataError:  # deleted since it was read: the UPDATE matched no row
+                raise NotFoundError(f"No tenant {tenant_id!r}", param="tenant_id") from None
             except IntegrityError:
-                raise ConflictError("Tenant name or tier changed concurrently") from None
+                raise await _tenant_write_conflict(
+                    session, name=changes["name"] if renamed else None, tier=changes.get("tier")
+                ) from None
         deps.auth.invalidate_tenant(tenant.id)
         if "weight" in changes and deps.queue is not None:
             # Jobs already queued or running take the new weight now, fleet-wide with the
@@ -274,11 +306,13 @@ def _build_routes(deps: AdminDeps) -> list[BaseRoute]:
 
     async def delete_tenant(request: Request) -> Response:
         async with sessions() as session:
-            tenant = await _tenant_or_404(session, request)
-            await repo.delete_tenant(session, tenant.id)
+            tenant_id = (await _tenant_or_404(session, request)).id
+            # Of deletes at once, all pass the read above; only one deletes the row.
+            if not await repo.delete_tenant(session, tenant_id):
+                raise NotFoundError(f"No tenant {tenant_id!r}", param="tenant_id")
             await session.commit()
-        deps.auth.invalidate_tenant(tenant.id)
-        return JSONResponse({"object": "tenant", "id": tenant.id, "deleted": True})
+        deps.auth.invalidate_tenant(tenant_id)
+        return JSONResponse({"object": "tenant", "id": tenant_id, "deleted": True})
 
     # --- keys ----------------------------------------------------------------------
 
@@ -296,16 +330,23 @@ def _build_routes(deps: AdminDeps) -> list[BaseRoute]:
             raise InvalidRequestError("expires_at is in the past", param="expires_at")
         secret, digest, prefix = generate_api_key()
         async with sessions() as session:
-            tenant = await _tenant_or_404(session, request)
-            key = await repo.add_api_key(
-                session,
-                tenant_id=tenant.id,
-                digest=digest,
-                prefix=prefix,
-                name=values.get("name", ""),
-                expires_at=expires_at,
-            )
-            await session.commit()
+            tenant_id = (await _tenant_or_404(session, request)).id
+            try:
+                key = await repo.add_api_key(
+                    session,
+                    tenant_id=tenant_id,
+                    digest=digest,
+                    prefix=prefix,
+                    name=values.get("name", ""),
+                    expires_at=expires_at,
+                )
+                await session.commit()
+            except IntegrityError:
+                # The tenant's foreign key: deleted since it was read.
+                await session.rollback()
+                if await repo.get_tenant(session, tenant_id) is None:
+                    raise NotFoundError(f"No tenant {tenant_id!r}", param="tenant_id") from None
+                raise
         # The only time the secret leaves the server.
         return JSONResponse({**key_view(key), "secret": secret}, status_code=201)
 

@@ -101,6 +101,9 @@ def _check(name: str, value: Any, field: Field) -> Any:
     pattern = field.pattern or _PRINTABLE
     if not pattern.fullmatch(value):
         raise InvalidRequestError(f"{name} has an invalid format", param=name)
+    if not value.strip():
+        # Printable, yet shows as nothing in a listing or a log line.
+        raise InvalidRequestError(f"{name} may not be blank", param=name)
     return value
 
 

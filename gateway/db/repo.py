@@ -75,6 +75,13 @@ async def get_tenant_by_name(session: AsyncSession, name: str) -> Tenant | None:
     return await session.scalar(select(Tenant).where(Tenant.name == name))
 
 
+async def delete_tier(session: AsyncSession, name: str) -> bool:
+    """Delete a tier; False if there was none (of deletes at once, one deletes the row).
+    A tenant still on it fails the commit (IntegrityError)."""
+    result = await session.execute(delete(Tier).where(Tier.name == name))
+    return result.rowcount > 0
+
+
 async def delete_tenant(session: AsyncSession, tenant_id: str) -> bool:
     """Delete a tenant and its keys; False if there was none."""
     await session.execute(delete(ApiKey).where(ApiKey.tenant_id == tenant_id))

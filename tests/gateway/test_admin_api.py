@@ -225,6 +225,8 @@ BAD_BODIES = [
     ("/tenants", b'{"name": "a\\u0000b", "tier": "batch"}', "name"),
     ("/tenants", b'{"name": "' + b"n" * 101 + b'", "tier": "batch"}', "name"),
     ("/tenants", b'{"name": "", "tier": "batch"}', "name"),
+    ("/tenants", b'{"name": "   ", "tier": "batch"}', "name"),
+    ("/tenants", b'{"name": " \\u00a0\\u3000", "tier": "batch"}', "name"),
     ("/tenants", b'{"name": "a", "tier": "nope"}', "tier"),
     ("/tenants", b'{"name": "a", "tier": "batch", "weight": 0}', "weight"),
     ("/tenants", b'{"name": "a", "tier": "batch", "status": "gone"}', "status"),
@@ -290,6 +292,11 @@ async def test_tenant_lifecycle(admin: Admin) -> None:
         await admin.client.patch(f"/admin/v1/tenants/{tenant['id']}", json={"tier": "nope"}),
         400,
         param="tier",
+    )
+    _assert_error(
+        await admin.client.patch(f"/admin/v1/tenants/{tenant['id']}", json={"name": "  "}),
+        400,
+        param="name",
     )
     other = await admin.create_tenant("other", "batch")
     _assert_error(

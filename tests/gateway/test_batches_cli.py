@@ -104,7 +104,11 @@ def test_errors_and_usage(live_server: LiveServer, tmp_path: Path, capsys) -> No
     assert main(["batch", "status", "batch_nope", *base, "--api-key", _key(live_server)]) == 1
     assert json.loads(capsys.readouterr().err)["error"]["code"] == "batch_not_found"
     assert main(["batch", "submit", str(path), *base, "--api-key", "tg-" + "x" * 43]) == 1
+    capsys.readouterr()
     assert main(["batch", "submit", str(tmp_path / "missing.jsonl"), *base, "--api-key", "k"]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert main(["batch", "submit", str(tmp_path), *base, "--api-key", "k"]) == 2
+    assert "is a directory" in capsys.readouterr().err
     unreachable = ["--url", "http://127.0.0.1:9", "--api-key", "k", "--timeout-s", "2"]
     assert main(["batch", "status", "batch_x", *unreachable]) == 2
 
