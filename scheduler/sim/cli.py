@@ -12,6 +12,7 @@ to `run(args)`; `python -m scheduler.sim.cli ...` runs it standalone.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import shlex
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from engine.errors import EngineError
 from scheduler.sim.admission import INVALID_REQUEST
 from scheduler.sim.cost_model import (
     PRESETS,
@@ -33,14 +35,14 @@ from scheduler.sim.cost_model import (
 )
 from scheduler.sim.fleet import POLICIES, FleetSpec, SimOptions, SimulationError, simulate
 from scheduler.sim.suites import SUITES
-from scheduler.sim.targets import TargetConfig, run_experiment
+from scheduler.sim.targets import TargetConfig, check_offered_requests, run_experiment
 from scheduler.sim.workload import WorkloadError, WorkloadSpec, three_tier_mix
 
 DEFAULT_PRESET = "h200-llama-3.1-8b"
 
 
-# Arrivals one `run` may offer: an hour at 1,000 requests/s is 3.6 M; a typo's 10^9
-# requests/s would otherwise generate arrivals until memory runs out.
+# Arrivals one `run` (or one whole `report`) may offer: an hour at 1,000 requests/s is
+# 3.6 M; a typo's 10^9 requests/s would otherwise generate arrivals until memory runs out.
 MAX_OFFERED_REQUESTS = 50_000_000
 # Simulated seconds (arrivals + drain) of one run. The fleet samples every simulated
 # second however idle it is (~13 µs and ~0.7 kB of trace each): a week is seconds of
@@ -153,12 +155,17 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--measure", action="store_true", help="time the real engine's steps on this machine"
     )
     cal.add_argument("--model", default="tiny-random", help="with --measure: the model to run")
-    cal.add_argument("--device", default="cpu", help="with --measure: cpu or cuda")
+    cal.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="cpu", help="with --measure"
+    )
     cal.add_argument("--save-samples", type=Path, help="with --measure: also write the samples")
     cal.add_argument(
         "--base", default="cpu-tiny", help="preset or file giving the hardware numbers"
     )
     cal.add_argument("--out", type=Path, required=True)
+    # argparse names a missing subcommand by its dest ("simulate_command"); name the
+    # commands instead, as the usage line does.
+    sub.metavar = "{" + ",".join(sub.choices) + "}"
     return parser
 
 
@@ -198,11 +205,20 @@ def _presets(args: argparse.Namespace) -> int:
 
 def _calibrate(args: argparse.Namespace) -> int:
     base = load_params(args.base)
+    # A measurement takes a minute or more: an output it cannot write is said first.
+    _check_writable(args.out, "--out")
+    if args.save_samples:
+        _check_writable(args.save_samples, "--save-samples")
     if args.measure:
         from scheduler.sim.calibrate import calibrate_engine, write_samples
 
-        # The fit also takes the measured engine's limits (KV blocks, batch sizes).
-        result, samples = calibrate_engine(base, args.model, device=args.device)
+        try:
+            # The fit also takes the measured engine's limits (KV blocks, batch sizes).
+            result, samples = calibrate_engine(base, args.model, device=args.device)
+        except EngineError as exc:
+            # A model or device this machine cannot load is the user's input, not a crash.
+            print(f"error: --model {args.model} on --device {args.device}: {exc}", file=sys.stderr)
+            return 2
         if args.save_samples:
             write_samples(samples, args.save_samples)
     else:
@@ -227,6 +243,21 @@ def _calibrate(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
     return 0
+
+
+def _check_writable(path: Path, flag: str) -> None:
+    """Open `path` for writing (and remove it again if it was not there), so that an
+    output the command cannot write fails before its work rather than after it."""
+    if path.is_dir():
+        raise SimulationError(f"{flag} {path} is a directory")
+    existed = path.exists()
+    try:
+        with path.open("a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        raise SimulationError(f"{flag} {path} cannot be written: {exc.strerror or exc}") from None
+    if not existed:
+        path.unlink()
 
 
 def _positive(args: argparse.Namespace, *names: str) -> None:
@@ -276,7 +307,7 @@ def _run_one(args: argparse.Namespace) -> int:
     heads = ("TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99")
     print(
         f"{'tier':12} {'offered':>8} {'attain':>7} " + " ".join(f"{h:>9}" for h in heads),
-        " rejections",
+        " refused; dropped after admission",
     )
     for name, t in sorted(stats.tiers.items()):
 
@@ -286,7 +317,8 @@ def _run_one(args: argparse.Namespace) -> int:
         att = "-" if t.attainment is None else f"{t.attainment:.1%}"
         print(
             f"{name:12} {t.num_offered:>8} {att:>7} {ms(t.ttft_p50_ms):>9} {ms(t.ttft_p99_ms):>9} "
-            f"{ms(t.tpot_p50_ms):>9} {ms(t.tpot_p99_ms):>9}  {t.rejections or ''}"
+            f"{ms(t.tpot_p50_ms):>9} {ms(t.tpot_p99_ms):>9}  "
+            f"{t.rejections or '-'}; {t.dropped or '-'}"
         )
     return 0
 
@@ -294,7 +326,7 @@ def _run_one(args: argparse.Namespace) -> int:
 def _note_refused_for_the_cache(spec: WorkloadSpec, params: RooflineParams, stats: Any) -> None:
     """Say on stderr when the engine refused requests as too long: with a small cache
     that is a property of the preset, not of the policy, and easy to misread."""
-    num_refused = sum(t.rejections.get(INVALID_REQUEST, 0) for t in stats.tiers.values())
+    num_refused = sum(t.dropped.get(INVALID_REQUEST, 0) for t in stats.tiers.values())
     if not num_refused:
         return
     longest = max(t.prompt_len.high + t.output_len.high for t in spec.tiers)
@@ -311,7 +343,7 @@ def _note_refused_for_the_cache(spec: WorkloadSpec, params: RooflineParams, stat
 
 
 def _report(args: argparse.Namespace) -> int:
-    from scheduler.sim.report import write_report
+    from scheduler.sim.report import report_paths, write_report
 
     _positive(args, "engines", "duration", "suite_duration", "drain")
     params = load_params(args.preset)
@@ -327,9 +359,27 @@ def _report(args: argparse.Namespace) -> int:
         policies=tuple(dict.fromkeys(("fcfs", "tiered", *args.policies))),
         capacity_rate_per_s=args.capacity,
     )
+    if args.capacity is not None:
+        # Without it, run_experiment checks as its capacity search narrows 1.0x down.
+        check_offered_requests(config, args.capacity, args.suites, MAX_OFFERED_REQUESTS)
+    plots = not args.no_plots
+    if plots and importlib.util.find_spec("matplotlib") is None:
+        raise SimulationError("plots need matplotlib (pip install 'tiergate[sim]'), or --no-plots")
+    # The sweep takes minutes: an --out it cannot write is said before it, not after.
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SimulationError(
+            f"--out {args.out} is not a directory that can be written: {exc.strerror or exc}"
+        ) from None
+    for path in report_paths(args.out, plots=plots):
+        _check_writable(path, "--out")
     started = time.perf_counter()
     experiment = run_experiment(
-        config, suites=args.suites, on_progress=lambda msg: print(msg, file=sys.stderr, flush=True)
+        config,
+        suites=args.suites,
+        on_progress=lambda msg: print(msg, file=sys.stderr, flush=True),
+        max_offered_requests=MAX_OFFERED_REQUESTS,
     )
     command = " ".join(
         [
@@ -343,7 +393,7 @@ def _report(args: argparse.Namespace) -> int:
             f"--out {shlex.quote(str(args.out))}",
         ]
     ).strip()
-    paths = write_report(experiment, args.out, command=command, plots=not args.no_plots)
+    paths = write_report(experiment, args.out, command=command, plots=plots)
     for target in experiment.targets:
         print(f"target {target.number}: {target.verdict}  {target.value}")
     print(f"wrote {', '.join(str(p) for p in paths)} in {time.perf_counter() - started:.0f} s")

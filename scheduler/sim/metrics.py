@@ -111,7 +111,11 @@ class TierStats:
     ttft_p99_ms: float | None
     tpot_p50_ms: float | None
     tpot_p99_ms: float | None
+    # Refused at admission, by code: offered = admitted + refused.
     rejections: dict[str, int]
+    # Admitted, then dropped before they ran (queue timeout, too long for the engine), by
+    # code: misses of admitted requests, not refusals, so apart from `rejections`.
+    dropped: dict[str, int]
     num_unfinished: int  # admitted but still queued or running at the end
 
 
@@ -153,6 +157,7 @@ class Collector:
         self._finished: dict[str, int] = defaultdict(int)
         self._met: dict[str, int] = defaultdict(int)
         self._rejections: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self._dropped: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self._ttft_ms: dict[str, array[float]] = defaultdict(lambda: array("d"))
         self._tpot_ms: dict[str, array[float]] = defaultdict(lambda: array("d"))
         self.num_output_tokens = 0
@@ -170,9 +175,9 @@ class Collector:
         self._keep(record)
 
     def dropped(self, record: RequestRecord, code: str) -> None:
-        """Admitted, then dropped before it ran (queue timeout)."""
+        """Admitted, then dropped before it ran (queue timeout, refused by the engine)."""
         record.rejected_code = code
-        self._rejections[record.request.tier][code] += 1
+        self._dropped[record.request.tier][code] += 1
         self._keep(record)
 
     def finished(self, record: RequestRecord) -> None:
@@ -213,14 +218,9 @@ class Collector:
             tpot_p50_ms=percentile(tpots, 50),
             tpot_p99_ms=percentile(tpots, 99),
             rejections=dict(self._rejections[tier]),
-            num_unfinished=admitted
-            - self._finished[tier]
-            - sum(n for c, n in self._rejections[tier].items() if c in _DROP_CODES),
+            dropped=dict(self._dropped[tier]),
+            num_unfinished=admitted - self._finished[tier] - sum(self._dropped[tier].values()),
         )
-
-
-# Codes of admitted requests that never ran (the rest are refusals at admission).
-_DROP_CODES = frozenset({"queue_timeout", "invalid_request"})
 
 
 def fairness_stats(

@@ -29,14 +29,18 @@ def _ms(value: float | None) -> str:
     return "–" if value is None else f"{value:.0f}"
 
 
+def _codes(counts: dict[str, int]) -> str:
+    return ", ".join(f"{c} {n}" for c, n in sorted(counts.items())) or "–"
+
+
 def _tier_rows(policy: str, load: float, stats: RunStats) -> list[str]:
     rows = []
     for name, t in sorted(stats.tiers.items(), key=lambda kv: kv[0]):
-        rejections = ", ".join(f"{c} {n}" for c, n in sorted(t.rejections.items())) or "–"
         rows.append(
-            f"| {policy} | {load:g}x | {name} | {t.num_offered} | {_pct(t.attainment)} | "
-            f"{_pct(t.admitted_attainment)} | {t.goodput_per_s:.2f} | {_ms(t.ttft_p50_ms)} | "
-            f"{_ms(t.ttft_p99_ms)} | {_ms(t.tpot_p50_ms)} | {_ms(t.tpot_p99_ms)} | {rejections} |"
+            f"| {policy} | {load:g}x | {name} | {t.num_offered} | {t.num_admitted} | "
+            f"{_pct(t.attainment)} | {_pct(t.admitted_attainment)} | {t.goodput_per_s:.2f} | "
+            f"{_ms(t.ttft_p50_ms)} | {_ms(t.ttft_p99_ms)} | {_ms(t.tpot_p50_ms)} | "
+            f"{_ms(t.tpot_p99_ms)} | {_codes(t.rejections)} | {_codes(t.dropped)} |"
         )
     return rows
 
@@ -138,29 +142,32 @@ def render_markdown(experiment: Experiment, *, command: str = "") -> str:
         lines.append(f"| {policy} | " + " | ".join(cells) + " |")
     lines += [
         "",
-        "Refusals at 1.5x (admission refusals by code; queue timeouts are drops of admitted "
-        "requests and are not counted):",
+        "Refusals at 1.5x (admission refusals by code). Queue timeouts are drops of admitted "
+        "requests: SLO violations, not refusals, so they are counted apart:",
         "",
-        "| policy | refused | on batch or over quota | by tier and code |",
-        "|---|---|---|---|",
+        "| policy | refused | on batch or over quota | by tier and code | "
+        "dropped after admission |",
+        "|---|---|---|---|---|",
     ]
     for policy, points in experiment.sweep.items():
         if 1.5 not in points:
             continue
         total, accepted = refusal_split(points[1.5])
-        detail = "; ".join(
-            f"{name}: " + ", ".join(f"{c} {n}" for c, n in sorted(t.rejections.items()))
-            for name, t in sorted(points[1.5].tiers.items())
-            if t.rejections
-        )
-        lines.append(f"| {policy} | {total} | {accepted} | {detail or '–'} |")
+        tiers = sorted(points[1.5].tiers.items())
+        refused = "; ".join(f"{name}: {_codes(t.rejections)}" for name, t in tiers if t.rejections)
+        dropped = "; ".join(f"{name}: {_codes(t.dropped)}" for name, t in tiers if t.dropped)
+        lines.append(f"| {policy} | {total} | {accepted} | {refused or '–'} | {dropped or '–'} |")
     lines += [
         "",
         "## Per tier at 1.0x and 1.5x",
         "",
-        "| policy | load | tier | offered | attainment | admitted attainment | goodput (req/s) | "
-        "TTFT P50 ms | TTFT P99 ms | TPOT P50 ms | TPOT P99 ms | rejections |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "Admitted is offered less refused; a request dropped after admission (queue "
+        "timeout, or too long for the engine) is admitted and a miss.",
+        "",
+        "| policy | load | tier | offered | admitted | attainment | admitted attainment | "
+        "goodput (req/s) | TTFT P50 ms | TTFT P99 ms | TPOT P50 ms | TPOT P99 ms | refused | "
+        "dropped |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for policy, points in experiment.sweep.items():
         for load in (1.0, 1.5):
@@ -265,10 +272,16 @@ def write_plots(experiment: Experiment, out_dir: Path) -> list[Path]:
     return paths
 
 
+def report_paths(out_dir: Path, *, plots: bool = True) -> list[Path]:
+    """The files write_report writes in out_dir."""
+    names = ["report.md", "report.json"] + (["attainment.png", "goodput.png"] if plots else [])
+    return [out_dir / name for name in names]
+
+
 def write_report(
     experiment: Experiment, out_dir: Path, *, command: str = "", plots: bool = True
 ) -> list[Path]:
-    """report.md, report.json and (with plots) the PNGs in out_dir."""
+    """report.md, report.json and (with plots) the PNGs in out_dir: report_paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     md = out_dir / "report.md"
     md.write_text(render_markdown(experiment, command=command), encoding="utf-8")

@@ -24,6 +24,9 @@ from scheduler.sim.metrics import ServiceTrace, jain_index
 from scheduler.sim.workload import LengthDist, TenantSpec, TierSpec, WorkloadSpec
 
 SUITES = ("two-overloaded", "proportional", "weighted", "on-off", "returning")
+# One small engine serves roughly 100 of these requests per second; every suite offers
+# several times that so the tenants stay backlogged.
+SUITE_RATE_PER_S = 150.0
 
 _TIER = TierSpec(
     "interactive",
@@ -78,9 +81,7 @@ def _run_suite(name: str, policy: str, params: RooflineParams, duration_s: float
     fleet = FleetSpec(suite_engine(params), 1)
     options = SimOptions(drain_s=0.0, sample_interval_s=0.5)
     warm = 0.2 * duration_s
-    # One small engine serves roughly 100 of these requests per second; every suite
-    # offers several times that so the tenants stay backlogged.
-    rate = 150.0
+    rate = SUITE_RATE_PER_S
     if name in ("two-overloaded", "proportional", "weighted"):
         if name == "two-overloaded":
             tenants = [

@@ -132,7 +132,11 @@ def test_requests_the_cache_can_never_hold_are_refused_as_the_engine_does(tmp_pa
     assert main([*argv, "--duration", "5"]) == 0
     out, err = capsys.readouterr()
     tiers = json.loads(out)["tiers"]
-    assert all(t["rejections"] == {"invalid_request": t["num_offered"]} for t in tiers.values())
+    # The gateway admitted them and the engine refused them: drops of admitted requests
+    # (misses), apart from the refusals at admission, which `rejections` alone counts.
+    for t in tiers.values():
+        assert t["dropped"] == {"invalid_request": t["num_offered"]}
+        assert (t["rejections"], t["num_admitted"]) == ({}, t["num_offered"])
     assert "KV cache of 48 tokens" in err
     assert "the workload's longest takes 480 blocks" in err
 
@@ -287,3 +291,116 @@ def test_extreme_but_valid_limits_finish(tmp_path, capsys, changes: dict[str, ob
     argv = ["run", "--preset", _preset(tmp_path, **changes), "--json", "--drain", "0"]
     assert main([*argv, "--rate", "5", "--duration", "2"]) == 0
     assert json.loads(capsys.readouterr().out)["num_steps"] > 0
+
+
+def test_simulate_without_a_command_lists_the_commands(capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main([])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "required: {run,report,presets,calibrate}" in err
+    assert "simulate_command" not in err
+
+
+def _calibrate_measure(tmp_path: Path, *argv: str) -> list[str]:
+    return ["calibrate", "--measure", "--out", str(tmp_path / "fitted.json"), *argv]
+
+
+def test_calibrate_measure_refuses_a_model_it_cannot_load_in_one_line(tmp_path, capsys) -> None:
+    assert main(_calibrate_measure(tmp_path, "--model", str(tmp_path / "nope"))) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        f"error: --model {tmp_path / 'nope'} on --device cpu: model directory "
+        f"'{tmp_path / 'nope'}' does not exist"
+    ]
+    assert not (tmp_path / "fitted.json").exists()
+
+
+def test_calibrate_measure_refuses_a_device_it_cannot_use_in_one_line(tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(_calibrate_measure(tmp_path, "--device", "tpu"))
+    assert exited.value.code == 2
+    assert "invalid choice: 'tpu' (choose from 'auto', 'cpu', 'cuda')" in capsys.readouterr().err
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here: --device cuda would measure")
+    assert main(_calibrate_measure(tmp_path, "--device", "cuda")) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1
+    assert err.startswith("error: --model tiny-random on --device cuda: ")
+    assert "CUDA is not available" in err
+
+
+@pytest.mark.parametrize("flag", ["--out", "--save-samples"])
+def test_calibrate_measure_refuses_an_output_it_cannot_write_before_measuring(
+    tmp_path, capsys, flag: str
+) -> None:
+    # Before, the engine was timed for a minute and the result then lost. Neither output
+    # may exist after: a samples file would show that it measured, a fitted.json that
+    # checking --out left its probe behind.
+    bad = tmp_path / "no-such-dir" / "x.json"
+    samples, out = tmp_path / "steps.jsonl", tmp_path / "fitted.json"
+    outputs = {"--out": out, "--save-samples": samples, flag: bad}
+    argv = ["calibrate", "--measure"]
+    for name, path in outputs.items():
+        argv += [name, str(path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"error: {flag} {bad} cannot be written: No such file or directory"]
+    assert not samples.exists()
+    assert not out.exists()
+
+
+def _small_report(out: Path) -> list[str]:
+    return [
+        "report",
+        "--duration", "1", "--drain", "1", "--suite-duration", "1", "--no-plots",
+        "--capacity", "2", "--loads", "1", "--policies", "fcfs", "--suites", "weighted",
+        "--out", str(out),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file", "report.md a directory"])
+def test_report_refuses_an_out_it_cannot_write_before_the_sweep(
+    tmp_path, capsys, where: str
+) -> None:
+    # Before, the sweep ran (minutes, at real sizes) and only writing the report failed.
+    file = tmp_path / "file"
+    file.write_text("keep me")
+    out = {"a file": file, "under a file": file / "r", "report.md a directory": tmp_path / "r"}
+    if where == "report.md a directory":
+        (tmp_path / "r" / "report.md").mkdir(parents=True)
+    assert main(_small_report(out[where])) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1  # no progress line: nothing was simulated
+    assert err[0].startswith("error: --out ")
+    assert file.read_text() == "keep me"
+    assert not (tmp_path / "r" / "report.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--capacity", "1e12"], "the sweep 4.54e+14 (4 policies at 0.5-2x of 1e+12 requests/s"),
+        (["--capacity", "20", "--loads", "1e9"], "at 1-1e+09x of 20 requests/s for 5 s"),
+        (["--capacity", "20", "--suite-duration", "1e5"], "the suites 3e+08 (5 x 4 policies"),
+    ],
+)
+def test_a_report_too_large_to_finish_is_refused_up_front(
+    tmp_path, argv: list[str], expected: str
+) -> None:
+    # Before, these ran for days: a process, so that a hang fails the test.
+    out = tmp_path / "r"
+    base = ["report", "--duration", "5", "--drain", "5", "--no-plots", "--out", str(out)]
+    done = subprocess.run(
+        [sys.executable, "-m", "scheduler.sim.cli", *base, *argv],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 2
+    [line] = done.stderr.splitlines()
+    assert line.startswith("error: the report would offer ")
+    assert expected in line
+    assert line.endswith("a report offers at most 50,000,000")
+    assert not out.exists()

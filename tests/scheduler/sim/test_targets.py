@@ -21,8 +21,11 @@ LOADS = (0.5, 0.9, 1.0, 1.5, 2.0)
 
 
 def _tier(name: str, offered: int, met: int, refused: dict[str, int] | None = None) -> TierStats:
-    rejections = dict(refused or {})
-    admitted = offered - sum(n for c, n in rejections.items() if c != "queue_timeout")
+    """`refused` by code; a queue timeout among them is a drop of an admitted request, as
+    the collector files it (under `dropped`, not `rejections`)."""
+    rejections = {c: n for c, n in (refused or {}).items() if c != "queue_timeout"}
+    dropped = {c: n for c, n in (refused or {}).items() if c == "queue_timeout"}
+    admitted = offered - sum(rejections.values())
     return TierStats(
         tier=name,
         num_offered=offered,
@@ -37,6 +40,7 @@ def _tier(name: str, offered: int, met: int, refused: dict[str, int] | None = No
         tpot_p50_ms=None,
         tpot_p99_ms=None,
         rejections=rejections,
+        dropped=dropped,
         num_unfinished=0,
     )
 
@@ -208,3 +212,18 @@ def test_targets_with_nothing_to_judge_by_are_not_passed() -> None:
     collapsed = {load: _run(0.0, 0.0, batch_met=0.0) for load in LOADS}
     measured = _target(_experiment(fcfs=collapsed), 5)
     assert (measured.measured, measured.verdict) == (True, "pass")
+
+
+def test_target_5_with_no_violation_of_ours_prints_no_infinite_ratio() -> None:
+    # Nobody misses at "1.5x": nothing to be 10x fewer than, so not passed (n/a), and
+    # "0 vs 0", not "0 vs 0 (infx)".
+    target = _target(_experiment(), 5)
+    assert "; 0 vs 0; " in target.value
+    assert "inf" not in target.value
+    assert (target.passed, target.verdict) == (False, "n/a")
+    # FCFS misses 3,000 and ours none: passed, still without an infinite ratio.
+    collapsed = {load: _run(0.0, 0.0, batch_met=0.0) for load in LOADS}
+    target = _target(_experiment(fcfs=collapsed), 5)
+    assert "; 3000 vs 0; " in target.value
+    assert "inf" not in target.value
+    assert (target.passed, target.verdict) == (True, "pass")
