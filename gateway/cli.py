@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+import math
 import secrets
 import shlex
+import socket
 import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gateway.errors import GatewayError
 from gateway.settings import Settings, SettingsError, settings_from_env
@@ -117,7 +120,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     worker.add_argument(
         "--drain-timeout-s",
-        type=float,
+        type=_drain_timeout_s,
         default=30.0,
         help="on SIGTERM, how long running jobs may finish before they are requeued",
     )
@@ -125,6 +128,12 @@ def _parser() -> argparse.ArgumentParser:
 
     migrate = commands.add_parser("migrate", help="upgrade the database to the newest schema")
     _add_common_flags(migrate)
+    migrate.add_argument(
+        "--revision",
+        default="head",
+        help="upgrade or downgrade to this revision instead: an id such as 0005, or base "
+        "(default head)",
+    )
     migrate.set_defaults(func=_migrate)
 
     usage = commands.add_parser("usage", help="usage records maintenance")
@@ -149,17 +158,36 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _lease_ms(raw: str) -> int:
-    """A lease of at least MIN_LEASE_MS: a worker heartbeats it four times per lease."""
+    """A lease of at least MIN_LEASE_MS (a worker heartbeats it four times per lease) and
+    at most MAX_LEASE_MS."""
     try:
         value = int(raw)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{raw!r} is not an integer") from None
     if value < MIN_LEASE_MS:
         raise argparse.ArgumentTypeError(f"a lease must be at least {MIN_LEASE_MS} ms")
+    if value > MAX_LEASE_MS:
+        raise argparse.ArgumentTypeError(f"a lease must be at most {MAX_LEASE_MS} ms (an hour)")
     return value
 
 
 MIN_LEASE_MS = 200
+# The jobs of a worker that dies wait out its lease before another worker resumes them:
+# past an hour that is an outage, not a setting (and the queue's clock arithmetic runs
+# in Lua doubles, exact only up to 2**53).
+MAX_LEASE_MS = 3_600_000
+
+
+def _drain_timeout_s(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a number") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(
+            f"a drain timeout must be a finite number of seconds, at least 0, not {raw}"
+        )
+    return value
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -216,16 +244,30 @@ def _utc_datetime(value: str) -> datetime:
         parsed = datetime.fromisoformat(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"not an ISO 8601 time: {value!r}") from exc
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+    try:
+        return parsed.astimezone(UTC) if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+    except OverflowError:  # 0001-01-01T00:00+01:00 is in year 0 in UTC
+        raise argparse.ArgumentTypeError(f"{value!r} is out of range in UTC") from None
+
+
+# The rebuild covers whole hours, so it rounds --end up to the next hour; the hour after
+# this one is past the last time Python can represent.
+LATEST_ROLLUP_END = datetime(9999, 12, 31, 23, tzinfo=UTC)
 
 
 def _rebuild_rollup(args: argparse.Namespace) -> int:
     from gateway.db.session import create_db_engine, create_sessionmaker
+    from gateway.migrate import check_revision
     from gateway.usage import rebuild_usage_rollup
 
     if args.end <= args.start:
         raise SettingsError("--end must be after --start")
+    if args.end > LATEST_ROLLUP_END:
+        raise SettingsError(f"--end must be at most {LATEST_ROLLUP_END.isoformat()}")
     settings = settings_from_args(args)
+    _prepare_data_dir(settings)
+    asyncio.run(_reach_database(settings))
+    check_revision(settings.db_url, upgrades_on_start=False)
 
     async def rebuild() -> int:
         db_engine = create_db_engine(settings.db_url)
@@ -240,37 +282,40 @@ def _rebuild_rollup(args: argparse.Namespace) -> int:
 
 
 def _migrate(args: argparse.Namespace) -> int:
-    from gateway.migrate import upgrade_to_head
+    from gateway.migrate import migrate_to
 
     settings = settings_from_args(args)
     _prepare_data_dir(settings)
     asyncio.run(_reach_database(settings))
-    upgrade_to_head(settings.db_url)
-    print(f"database is at the newest revision: {_redacted(settings.db_url)}")
+    reached = migrate_to(settings.db_url, args.revision)
+    where = "the newest revision" if args.revision == "head" else f"revision {reached or 'base'}"
+    print(f"database is at {where}: {_redacted(settings.db_url)}")
     return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from gateway.app import build_app
 
-    _configure_logging()
     settings = settings_from_args(args)
-    _preflight(settings)
-    if args.demo:
-        generated = settings.admin_token is None
-        if generated:
-            settings = settings.with_overrides(admin_token=secrets.token_urlsafe(32))
-        print(_demo_banner(settings, asyncio.run(_demo_tenants(settings)), generated), flush=True)
-    app = build_app(settings, engine=_load_engine(settings), prepare_heap=True)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", access_log=False)
-    return 0
+    # --demo upgrades the database (any database) before it adds the demo tenants.
+    _preflight(settings, upgrades_database=settings.is_embedded_db or args.demo)
+    _configure_logging()
+    with _listening_socket(settings) as listener:
+        if args.demo:
+            generated = settings.admin_token is None
+            if generated:
+                settings = settings.with_overrides(admin_token=secrets.token_urlsafe(32))
+            tenants = asyncio.run(_demo_tenants(settings))
+            print(_demo_banner(settings, tenants, generated), flush=True)
+        app = build_app(settings, engine=_load_engine(settings), prepare_heap=True)
+        return _run_server(app, settings, listener)
 
 
 def _load_engine(settings: Settings) -> EngineLike:
     """The engine, loaded before the server starts: a model or cache setting it cannot
     run with is then one line, not a traceback from the server's start-up."""
+    import torch
+
     from engine.errors import EngineError
     from gateway.app import build_engine
 
@@ -278,21 +323,67 @@ def _load_engine(settings: Settings) -> EngineLike:
         return build_engine(settings)
     except EngineError as exc:
         raise SettingsError(f"cannot start the engine: {exc}") from None
+    except (torch.OutOfMemoryError, MemoryError) as exc:
+        raise SettingsError(f"cannot start the engine: out of memory: {exc}") from None
+    except RuntimeError as exc:
+        # What the CPU allocator raises for a KV cache larger than the machine's memory.
+        if "can't allocate memory" not in str(exc):
+            raise
+        raise SettingsError(f"cannot start the engine: {exc}") from None
 
 
 def _gateway(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from gateway.app import build_app
 
-    _configure_logging()
     settings = settings_from_args(args)
     if not settings.redis_url:
         raise SettingsError("tiergate gateway needs TIERGATE_REDIS_URL (or --redis-url)")
-    _preflight(settings)
-    app = build_app(settings, with_engine=False, prepare_heap=True)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", access_log=False)
-    return 0
+    _preflight(settings, upgrades_database=settings.is_embedded_db)
+    _configure_logging()
+    with _listening_socket(settings) as listener:
+        app = build_app(settings, with_engine=False, prepare_heap=True)
+        return _run_server(app, settings, listener)
+
+
+def _listening_socket(settings: Settings) -> socket.socket:
+    """The server's socket, bound before anything slow loads: an address in use or one
+    this machine does not have is then one line, not uvicorn's error after the model
+    loaded. Bound as uvicorn binds it (IPv6 for a host with a colon)."""
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((settings.host, settings.port))
+    except OSError as exc:
+        listener.close()
+        raise SettingsError(
+            f"cannot listen on {settings.host} port {settings.port}: {exc.strerror or exc}"
+        ) from None
+    return listener
+
+
+def _run_server(app: Any, settings: Settings, listener: socket.socket) -> int:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if self.started:  # uvicorn announces only an address it bound itself
+                host = f"[{settings.host}]" if ":" in settings.host else settings.host
+                logging.getLogger("uvicorn.error").info(
+                    "Uvicorn running on http://%s:%d (Press CTRL+C to quit)", host, settings.port
+                )
+
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_level="info", access_log=False
+    )
+    server = Server(config)
+    # As uvicorn.run ends: a ^C after a graceful shutdown is no error, and 3 is its status
+    # for a server that never started (it exits with it itself when the app's start-up
+    # fails).
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run(sockets=[listener])
+    return 0 if server.started else 3
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -330,9 +421,15 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _preflight(settings: Settings) -> None:
+def _preflight(settings: Settings, *, upgrades_database: bool) -> None:
     """What would otherwise fail inside the server's start-up, with a traceback, as one
-    clear message: the model, the data directory, the database and Redis."""
+    clear message: the model, the data directory, the database, its schema revision and
+    Redis. `upgrades_database`: the process upgrades the database itself before it uses
+    it (the embedded one always), so an older revision is not refused. Run before logging
+    is configured: the checks' own chatter (alembic's, reading the revision) stays out of
+    the way of the one line that matters."""
+    from gateway.migrate import check_revision
+
     _check_model(settings)
     _prepare_data_dir(settings)
 
@@ -341,6 +438,7 @@ def _preflight(settings: Settings) -> None:
         await _reach_redis(settings)
 
     asyncio.run(reach())
+    check_revision(settings.db_url, upgrades_on_start=upgrades_database)
 
 
 def _check_model(settings: Settings) -> None:

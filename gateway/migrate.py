@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -19,8 +19,10 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from sqlalchemy import Connection, text
 
 from gateway.db.session import create_db_engine
+from gateway.errors import GatewayError
 
 
 def _script_location() -> str:
@@ -62,33 +64,137 @@ def _in_own_thread(fn: Callable[[], T]) -> T:
     return result[0]
 
 
-def _run(database_url: str, operation: Callable[[Config], None]) -> None:
+# Two `tiergate migrate` runs at once (a Job retried while its first pod still runs, two
+# operators) would both create the schema of a fresh database and one would fail on a
+# duplicate. On PostgreSQL each run holds this transaction-scoped advisory lock (scoped to
+# the database), so the second waits and then finds nothing left to do. SQLite
+# serializes writers itself.
+_MIGRATION_LOCK_KEY = int.from_bytes(b"tiergate", "big")
+
+
+class SchemaRevisionError(GatewayError):
+    """The database's schema revision is one this release cannot run on or migrate."""
+
+
+def _run(database_url: str, operation: Callable[[Config, Connection], T]) -> T:
     config = alembic_config(database_url)
 
-    async def main() -> None:
+    async def main() -> T:
         engine = create_db_engine(database_url)
         try:
             async with engine.begin() as connection:
 
-                def run(sync_connection) -> None:
+                def run(sync_connection: Connection) -> T:
+                    if sync_connection.dialect.name == "postgresql":
+                        sync_connection.execute(
+                            text("SELECT pg_advisory_xact_lock(:key)"),
+                            {"key": _MIGRATION_LOCK_KEY},
+                        )
                     config.attributes["connection"] = sync_connection
-                    operation(config)
+                    return operation(config, sync_connection)
 
-                await connection.run_sync(run)
+                return await connection.run_sync(run)
         finally:
             await engine.dispose()
 
-    _in_own_thread(lambda: asyncio.run(main()))
+    return _in_own_thread(lambda: asyncio.run(main()))
+
+
+def _current(connection: Connection) -> str | None:
+    return MigrationContext.configure(connection).get_current_revision()
+
+
+def _known_current(config: Config, connection: Connection) -> str | None:
+    """The database's revision, refused when these scripts do not know it: alembic can
+    find no path from a revision it has never seen, in either direction."""
+    current = _current(connection)
+    script = ScriptDirectory.from_config(config)
+    if current is not None and current not in _revisions(script):
+        raise SchemaRevisionError(_newer_message(current, script.get_heads()))
+    return current
+
+
+def _revisions(script: ScriptDirectory) -> set[str]:
+    return {revision.revision for revision in script.walk_revisions()}
+
+
+def _newer_message(current: str, heads: Sequence[str]) -> str:
+    newest = ", ".join(heads)
+    return (
+        f"the database is at revision {current}, newer than this release (its newest is "
+        f"{newest}): run the newer release, or migrate back with its tiergate migrate "
+        f"--revision {newest}"
+    )
 
 
 def upgrade_to_head(database_url: str) -> None:
     """Upgrade the database to the newest revision (creating the schema if empty)."""
-    _run(database_url, lambda config: command.upgrade(config, "head"))
+    migrate_to(database_url, "head")
 
 
 def downgrade_to(database_url: str, rev: str) -> None:
     """Downgrade to revision `rev` (`"base"` drops everything the migrations created)."""
-    _run(database_url, lambda config: command.downgrade(config, rev))
+
+    def downgrade(config: Config, connection: Connection) -> None:
+        _known_current(config, connection)
+        command.downgrade(config, rev)
+
+    _run(database_url, downgrade)
+
+
+def migrate_to(database_url: str, revision: str = "head") -> str | None:
+    """Upgrade or downgrade the database to `revision` (`"head"`, `"base"` or a revision
+    id), whichever way it lies from the current one; returns the revision reached (None
+    at base).
+
+    Raises SchemaRevisionError for a revision these scripts do not know, the database's
+    or the one asked for.
+    """
+
+    def migrate(config: Config, connection: Connection) -> str | None:
+        current = _known_current(config, connection)
+        script = ScriptDirectory.from_config(config)
+        if revision == "base" or (
+            current is not None and revision in _ancestry(script, current) - {current}
+        ):
+            command.downgrade(config, revision)
+        elif revision == "head" or revision in _revisions(script):
+            command.upgrade(config, revision)
+        else:
+            known = ", ".join(sorted(_revisions(script)))
+            raise SchemaRevisionError(
+                f"this release has no migration {revision!r}; it knows head, base and {known}"
+            )
+        return _current(connection)
+
+    return _run(database_url, migrate)
+
+
+def _ancestry(script: ScriptDirectory, revision: str) -> set[str]:
+    """`revision` and every revision below it."""
+    return {r.revision for r in script.iterate_revisions(revision, "base")}
+
+
+def check_revision(database_url: str, *, upgrades_on_start: bool) -> None:
+    """Raise SchemaRevisionError unless a process of this release can start on the
+    database: at the newest revision, or newer (the release before a contract step runs
+    on the expanded schema of the next one). `upgrades_on_start` (the embedded SQLite
+    database, which the process upgrades itself) accepts any older revision instead, and
+    refuses a newer one, which it cannot upgrade from."""
+    current = current_revision(database_url)
+    heads = head_revisions()
+    if current in heads:
+        return
+    script = ScriptDirectory.from_config(alembic_config(database_url))
+    if current is not None and current not in _revisions(script):
+        if upgrades_on_start:
+            raise SchemaRevisionError(_newer_message(current, heads))
+        return
+    if not upgrades_on_start:
+        raise SchemaRevisionError(
+            f"the database is at revision {current or 'none'}; this release needs "
+            f"{', '.join(heads)}: run tiergate migrate"
+        )
 
 
 def head_revisions() -> tuple[str, ...]:
@@ -103,11 +209,7 @@ def current_revision(database_url: str) -> str | None:
         engine = create_db_engine(database_url)
         try:
             async with engine.connect() as connection:
-                return await connection.run_sync(
-                    lambda sync_connection: MigrationContext.configure(
-                        sync_connection
-                    ).get_current_revision()
-                )
+                return await connection.run_sync(_current)
         finally:
             await engine.dispose()
 

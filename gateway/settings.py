@@ -15,6 +15,9 @@ from pathlib import Path
 from gateway.errors import GatewayError
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+# Far beyond any device's memory; a larger budget would not fail to allocate but overflow
+# torch's size arithmetic (an int64 of bytes), a traceback instead of a message.
+MAX_KV_CACHE_BYTES = 2**50
 
 
 class SettingsError(GatewayError):
@@ -61,6 +64,10 @@ class Settings:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise SettingsError(f"{name} must be at least 1 (or unset), not {value}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes > MAX_KV_CACHE_BYTES:
+            raise SettingsError(
+                f"kv_cache_bytes must be at most 2**50 (1 PiB), not {self.kv_cache_bytes}"
+            )
         for name in ("max_file_bytes", "batch_max_input_bytes", "batch_max_lines"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be at least 1, not {getattr(self, name)}")

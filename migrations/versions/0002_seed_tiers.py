@@ -79,13 +79,26 @@ _tiers = sa.table(
     "tiers",
     *(sa.column(name) for name in SEEDED_TIERS[0]),
 )
+_tenants = sa.table("tenants", sa.column("tier"))
 
 
 def upgrade() -> None:
-    op.bulk_insert(_tiers, SEEDED_TIERS)
+    # A downgrade past this revision keeps the seeded tiers tenants are on (as an admin
+    # may have edited them); coming back up adds only the others.
+    existing = set(op.get_bind().scalars(sa.select(_tiers.c.name)))
+    missing = [tier for tier in SEEDED_TIERS if tier["name"] not in existing]
+    if missing:
+        op.bulk_insert(_tiers, missing)
 
 
 def downgrade() -> None:
-    # Fails (foreign key) while tenants still use a seeded tier: dropping a tier that
-    # customers are on must be a deliberate act, not a side effect of a downgrade.
-    op.execute(_tiers.delete().where(sa.column("name").in_([t["name"] for t in SEEDED_TIERS])))
+    # Only the seeded tiers no tenant is on: deleting one a tenant uses would fail on the
+    # foreign key (every --demo database has such tenants), and dropping customers' tiers
+    # must be a deliberate act, not a side effect of a downgrade. Going further down,
+    # 0001 drops the tables anyway.
+    op.execute(
+        _tiers.delete().where(
+            _tiers.c.name.in_([t["name"] for t in SEEDED_TIERS]),
+            ~sa.exists().where(_tenants.c.tier == _tiers.c.name),
+        )
+    )

@@ -217,8 +217,55 @@ def test_serve_demo_prints_working_keys(tmp_path: Path) -> None:
         (["serve"], {"TIERGATE_METRICS_TOP_TENANTS": "abc"}, "TIERGATE_METRICS_TOP_TENANTS"),
         # Two blocks of tiny-random: an engine that would start and never take a request.
         (["serve"], {"TIERGATE_KV_CACHE_BYTES": str(2 * 16384)}, "at least 3 are needed"),
+        # Past int64 in torch's size arithmetic.
+        (["serve"], {"TIERGATE_KV_CACHE_BYTES": "9" * 21}, "kv_cache_bytes must be at most"),
+        (["serve"], {"TIERGATE_HOST": "999.1.1.1"}, "cannot listen on 999.1.1.1"),
+        *(
+            (
+                ["worker", "--redis-url", "redis://127.0.0.1:1/0", "--drain-timeout-s", value],
+                {},
+                "a drain timeout must be a finite number of seconds",
+            )
+            for value in ("-1", "nan", "inf")
+        ),
+        (
+            ["worker", "--redis-url", "redis://127.0.0.1:1/0", "--lease-ms", "9" * 20],
+            {},
+            "a lease must be at most",
+        ),
+        (
+            ["usage", "rebuild-rollup", "--start", "0001-01-01", "--end", "9999-12-31T23:59:59"],
+            {},
+            "--end must be at most",
+        ),
+        (
+            ["usage", "rebuild-rollup", "--start", "2025-06-01", "--end", "2025-06-02"],
+            {"TIERGATE_DATABASE_URL": "postgresql+asyncpg://u@127.0.0.1:1/x"},
+            "cannot reach the database",
+        ),
+        (
+            ["usage", "rebuild-rollup", "--start", "2025-06-01", "--end", "2025-06-02"],
+            {},
+            "the database is at revision none",
+        ),
     ],
-    ids=["database", "redis", "model", "worker-redis", "telemetry", "kv-cache"],
+    ids=[
+        "database",
+        "redis",
+        "model",
+        "worker-redis",
+        "telemetry",
+        "kv-cache",
+        "kv-cache-overflow",
+        "host",
+        "drain-negative",
+        "drain-nan",
+        "drain-inf",
+        "lease-huge",
+        "rollup-range",
+        "rollup-database",
+        "rollup-unmigrated",
+    ],
 )
 def test_what_would_fail_at_start_up_is_one_message(
     tmp_path: Path, argv: list[str], env: dict[str, str], message: str

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, text
-from sqlalchemy.exc import IntegrityError
 
 from gateway.db.models import Base
 from gateway.db.session import create_db_engine
@@ -108,22 +106,50 @@ def test_seeded_tiers(migrated_database_url: str) -> None:
     assert batch[7] < by_name["interactive"][7] < by_name["priority"][7]
 
 
-def test_seed_downgrade_refuses_while_tenants_use_tiers(migrated_database_url: str) -> None:
-    # Foreign keys hold on SQLite too (the engine switches them on).
-    async def add_tenant() -> None:
-        engine = create_db_engine(migrated_database_url)
-        try:
-            async with engine.begin() as conn:
-                await conn.execute(
-                    text(
-                        "INSERT INTO tenants (id, name, tier, weight, status) "
-                        "VALUES ('ten_x', 'x', 'batch', 1, 'active')"
-                    )
-                )
-        finally:
-            await engine.dispose()
+async def _execute(url: str, *statements: str) -> None:
+    engine = create_db_engine(url)
+    try:
+        async with engine.begin() as conn:
+            for statement in statements:
+                await conn.execute(text(statement))
+    finally:
+        await engine.dispose()
 
-    _run(add_tenant)
-    with pytest.raises(IntegrityError):
-        downgrade_to(migrated_database_url, "0001")
-    assert current_revision(migrated_database_url) == head_revisions()[0]
+
+def test_seed_downgrade_keeps_the_tiers_tenants_are_on(migrated_database_url: str) -> None:
+    # Foreign keys hold on SQLite too (the engine switches them on): deleting the batch
+    # tier under its tenant would fail, as it did on every --demo database.
+    url = migrated_database_url
+    _run(
+        lambda: _execute(
+            url,
+            "INSERT INTO tenants (id, name, tier, weight, status) "
+            "VALUES ('ten_x', 'x', 'batch', 1, 'active')",
+            "UPDATE tiers SET rpm = 7 WHERE name = 'batch'",
+            "INSERT INTO api_keys (id, tenant_id, digest, prefix, name) "
+            "VALUES ('key_x', 'ten_x', 'd', 'tg-x', 'k')",
+            "INSERT INTO usage_records (request_id, tenant_id, tier, model, prompt_tokens, "
+            "completion_tokens, e2e_ms, outcome, created_at) "
+            "VALUES ('req_x', 'ten_x', 'batch', 'tiny-random', 1, 1, 1, 'ok', "
+            "'2025-06-01 10:00:00')",
+        )
+    )
+    downgrade_to(url, "0001")
+    assert current_revision(url) == "0001"
+    assert _run(lambda: _scalar_rows(url, "SELECT name, rpm FROM tiers")) == [("batch", 7)]
+
+    # Back up: the kept tier stays as the admin left it, the others are seeded again.
+    upgrade_to_head(url)
+    rows = _run(lambda: _scalar_rows(url, "SELECT name, rpm, max_queued_jobs FROM tiers"))
+    assert {r[0]: tuple(r[1:]) for r in rows} == {
+        "priority": (600, None),
+        "interactive": (300, None),
+        "batch": (7, 10_000),
+    }
+    assert _run(lambda: _scalar_rows(url, "SELECT id, tier FROM tenants")) == [("ten_x", "batch")]
+
+    # All the way down and up again with the data in place.
+    downgrade_to(url, "base")
+    assert not TABLES & _run(lambda: _tables(url))
+    upgrade_to_head(url)
+    assert len(_run(lambda: _scalar_rows(url, "SELECT name FROM tiers"))) == 3
