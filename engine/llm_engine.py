@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -313,7 +313,9 @@ class LLMEngine:
                 self.scheduler.finish(request, reason)
                 del self._tracked[request.request_id]
             logprob, request.new_logprob = request.new_logprob, None
-            new_logprobs = () if logprob is None else (logprob,)
+            new_logprobs = ()
+            if logprob is not None:
+                new_logprobs = (replace(logprob, num_text_chars=len(delta.text)),)
             outputs.append(tracked.output([token], delta.text, reason, new_logprobs))
         return outputs
 

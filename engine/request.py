@@ -24,11 +24,17 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's cap on top_logprobs
 class TokenLogprob:
     """A sampled token's log-probability under the model (its own distribution: before
     temperature, penalties, bias and top-k/top-p, as OpenAI and vLLM report it), and the
-    `top` most likely tokens' (id, log-probability), most likely first."""
+    `top` most likely tokens' (id, log-probability), most likely first.
+
+    `num_text_chars` is how much output text the step that made it released: where the
+    next token starts in the text (a token holding part of a character, or a special
+    token, releases none; a stop string cuts it).
+    """
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    num_text_chars: int = 0
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,21 @@ _REPLACEMENT_CHAR = "\ufffd"
 _GIL_FREE_MIN_CHARS = 4096
 
 
+def _byte_level_chars() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's): every byte stands for a printable character,
+    itself where printable, else the next unused code point from 256 on."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    code_points = {byte: byte for byte in printable}
+    for byte in range(256):
+        if byte not in code_points:
+            code_points[byte] = 256 + len(code_points) - len(printable)
+    return {chr(point): byte for byte, point in code_points.items()}
+
+
+_BYTE_LEVEL_CHARS = _byte_level_chars()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
 class Tokenizer:
     """A checkpoint's tokenizer: encode/decode, chat template and end-of-sequence ids.
 
@@ -64,6 +79,8 @@ class Tokenizer:
             self._rust_decode = None
         # get_vocab holds added tokens under their content.
         self.max_token_chars = max(len(token) for token in self._hf.get_vocab())
+        decoder = getattr(self._rust, "decoder", None)
+        self._is_byte_level = type(decoder).__name__ == "ByteLevel"
         special = [t.content for t in self._hf.added_tokens_decoder.values() if t.special]
         self._special_text = re.compile("|".join(map(re.escape, special))) if special else None
         # A second instance that reads special-token text as plain text, for chat message
@@ -88,6 +105,19 @@ class Tokenizer:
         if self._rust_decode is None:
             return self._hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
         return self._rust_decode.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for on its own. Decoding a token that holds part of
+        a character gives U+FFFD; a byte-level BPE piece maps back byte for byte, and a
+        byte-fallback piece ("<0xE2>") is its byte. Other pieces (special tokens too)
+        are their decoded text."""
+        piece = self._hf.convert_ids_to_tokens(token_id)
+        if self._is_byte_level and piece and all(c in _BYTE_LEVEL_CHARS for c in piece):
+            return bytes(_BYTE_LEVEL_CHARS[c] for c in piece)
+        fallback = _BYTE_FALLBACK.fullmatch(piece or "")
+        if fallback:
+            return bytes([int(fallback.group(1), 16)])
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     def apply_chat_template(
         self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True

@@ -14,11 +14,14 @@ from engine.request import TokenLogprob
 
 
 def encode_logprobs(logprobs: Sequence[TokenLogprob]) -> str:
-    """`[[token id, logprob, [[id, logprob], ...]], ...]`, or "" for none."""
+    """`[[token id, logprob, [[id, logprob], ...], text chars], ...]`, or "" for none."""
     if not logprobs:
         return ""
     return json.dumps(
-        [[lp.token_id, lp.logprob, [list(pair) for pair in lp.top]] for lp in logprobs],
+        [
+            [lp.token_id, lp.logprob, [list(pair) for pair in lp.top], lp.num_text_chars]
+            for lp in logprobs
+        ],
         separators=(",", ":"),
     )
 
@@ -28,6 +31,8 @@ def decode_logprobs(raw: str) -> tuple[TokenLogprob, ...]:
     if not raw:
         return ()
     return tuple(
-        TokenLogprob(int(token), float(logprob), tuple((int(i), float(v)) for i, v in top))
-        for token, logprob, top in json.loads(raw)
+        TokenLogprob(
+            int(token), float(logprob), tuple((int(i), float(v)) for i, v in top), int(chars)
+        )
+        for token, logprob, top, chars in json.loads(raw)
     )

@@ -4,8 +4,13 @@ Text completions (`logprobs: n`) carry parallel lists: `tokens`, `token_logprobs
 `top_logprobs` (one {token: logprob} object per token) and `text_offset` (where each
 token starts in the completion text). Chat completions (`logprobs: true`,
 `top_logprobs: n`) carry `content`: one {token, logprob, bytes, top_logprobs} object per
-token. A token's text is its decode alone, special tokens included; `bytes` is that
-text's UTF-8 (a token holding part of a character reads as U+FFFD there, as in vLLM).
+token.
+
+A token's text is the bytes it stands for, read as UTF-8; a token holding part of a
+character is written `bytes:\\xe6\\x97` (OpenAI's form), and chat's `bytes` are the raw
+bytes, so a client can join split characters. Two tokens can still share a text (a
+special token and its spelling): in a text completion's `top_logprobs` object the more
+likely keeps the key.
 """
 
 from __future__ import annotations
@@ -16,25 +21,28 @@ from typing import Any, Protocol
 from engine.request import TokenLogprob
 
 
-class Decoder(Protocol):
-    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str: ...
+class TokenBytes(Protocol):
+    def token_bytes(self, token_id: int) -> bytes: ...
 
 
 class TokenTexts:
-    """Token id -> its text, remembered (a stream asks for the same ids again and again;
-    the cache holds at most the vocabulary)."""
+    """Token id -> (text, bytes), remembered (a stream asks for the same ids again and
+    again; the cache holds at most the vocabulary)."""
 
-    def __init__(self, tokenizer: Decoder) -> None:
+    def __init__(self, tokenizer: TokenBytes) -> None:
         self._tokenizer = tokenizer
-        self._texts: dict[int, str] = {}
+        self._texts: dict[int, tuple[str, bytes]] = {}
 
-    def __call__(self, token_id: int) -> str:
-        text = self._texts.get(token_id)
-        if text is None:
-            text = self._texts[token_id] = self._tokenizer.decode(
-                [token_id], skip_special_tokens=False
-            )
-        return text
+    def __call__(self, token_id: int) -> tuple[str, bytes]:
+        known = self._texts.get(token_id)
+        if known is None:
+            raw = self._tokenizer.token_bytes(token_id)
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                text = "bytes:" + "".join(f"\\x{byte:02x}" for byte in raw)
+            known = self._texts[token_id] = (text, raw)
+        return known
 
 
 class LogprobsWriter:
@@ -62,20 +70,25 @@ class LogprobsWriter:
         }
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text = self._texts(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        text, raw = self._texts(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
     def _completion_body(self, logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
-        tokens = [self._texts(lp.token_id) for lp in logprobs]
         offsets = []
-        for text in tokens:
+        for lp in logprobs:
+            # Where the token starts in the text the client gets (the engine's account:
+            # special tokens and held-back pieces of a character add nothing there).
             offsets.append(self._text_offset)
-            self._text_offset += len(text)
+            self._text_offset += lp.num_text_chars
         return {
-            "tokens": tokens,
+            "tokens": [self._texts(lp.token_id)[0] for lp in logprobs],
             "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [
-                {self._texts(token): value for token, value in lp.top} for lp in logprobs
-            ],
+            "top_logprobs": [self._top_object(lp) for lp in logprobs],
             "text_offset": offsets,
         }
+
+    def _top_object(self, logprob: TokenLogprob) -> dict[str, float]:
+        top: dict[str, float] = {}
+        for token, value in logprob.top:  # most likely first: it keeps a shared key
+            top.setdefault(self._texts(token)[0], value)
+        return top

@@ -30,6 +30,7 @@ class GenerationOptions:
 
     model: str
     max_tokens: int | None  # None: the route picks the default for the endpoint
+    max_tokens_param: str  # the name the client gave it by (for errors)
     temperature: float
     top_p: float
     seed: int | None
@@ -152,6 +153,9 @@ def _options(data: dict[str, Any], *, chat: bool) -> GenerationOptions:
     for unsupported in _UNSUPPORTED:
         if not _is_unset(data.get(unsupported)):
             raise InvalidRequestError(f"{unsupported} is not supported.", param=unsupported)
+    for unsupported in _NULL_ONLY:
+        if data.get(unsupported) is not None:
+            raise InvalidRequestError(f"{unsupported} is not supported.", param=unsupported)
     # Fields that only have their default here: anything else would be silently ignored.
     for name, defaults in _DEFAULT_ONLY.items():
         value = data.get(name)
@@ -161,6 +165,7 @@ def _options(data: dict[str, Any], *, chat: bool) -> GenerationOptions:
     return GenerationOptions(
         model=model,
         max_tokens=max_tokens,
+        max_tokens_param="max_tokens" if newer is None else "max_completion_tokens",
         temperature=temperature,
         top_p=top_p,
         seed=_seed(data),
@@ -183,9 +188,6 @@ _UNSUPPORTED = (
     "tools",
     "functions",
     "echo",
-    "audio",
-    "web_search_options",
-    "prediction",
     "min_p",
     "repetition_penalty",
     "min_tokens",
@@ -194,6 +196,9 @@ _UNSUPPORTED = (
     "guided_choice",
     "guided_grammar",
 )
+# Fields where even an empty object asks for something (web_search_options: {} turns
+# search on): refused unless null.
+_NULL_ONLY = ("audio", "web_search_options", "prediction")
 # Unsupported fields and the values of theirs that ask for nothing (OpenAI's defaults).
 _DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "response_format": ({"type": "text"},),

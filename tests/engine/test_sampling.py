@@ -238,3 +238,13 @@ def test_logprobs_ignore_temperature_and_bias(llm: LLM) -> None:
     assert forced.token_ids == [42] * 5
     assert all(lp.logprob < lp.top[0][1] for lp in forced.logprobs)  # 42 is not the top
     assert llm.generate(["hello"], SamplingParams(max_tokens=2))[0].logprobs == []
+
+
+@pytest.mark.parametrize("stop", [(), ("e",)])
+def test_each_tokens_text_chars_add_up_to_the_text(llm: LLM, stop: tuple[str, ...]) -> None:
+    # Special tokens and pieces of a character release no text, a stop string cuts it:
+    # the counts are where each token starts in the text (a completion's text_offset).
+    params = SamplingParams(max_tokens=80, temperature=0, logprobs=0, stop=stop)
+    out = llm.generate(["Hello world"], params)[0]
+    assert len(out.logprobs) == len(out.token_ids)
+    assert sum(lp.num_text_chars for lp in out.logprobs) == len(out.text)

@@ -205,6 +205,8 @@ def test_chat_messages_and_max_completion_tokens() -> None:
         ({"model": "m", "prompt": "x", "modalities": ["text", "audio"]}, "modalities"),
         ({"model": "m", "prompt": "x", "audio": {"voice": "alloy"}}, "audio"),
         ({"model": "m", "prompt": "x", "web_search_options": {"a": 1}}, "web_search_options"),
+        ({"model": "m", "prompt": "x", "web_search_options": {}}, "web_search_options"),  # on
+        ({"model": "m", "prompt": "x", "prediction": {}}, "prediction"),
         ({"model": "m", "prompt": "x", "echo": True}, "echo"),
     ],
 )
