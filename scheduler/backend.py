@@ -6,6 +6,12 @@ A gateway `enqueue`s admitted jobs and reads their results; a worker's dispatche
 with `complete` or `fail`. A job whose worker dies returns to the head of its tenant's
 queue through `reclaim_expired_leases` and resumes after the tokens already streamed.
 
+A gateway that enqueues names itself (`gateway_id`) and keeps its presence alive with
+`publish_gateway`. A job whose gateway has gone (a SIGKILL, a lost host) has no client
+left: the queue ends it as cancelled (`abandoned`) where it would otherwise hand it to a
+worker (dispatch), keep it there (renew) or requeue it (reclaim), instead of running it
+for nobody.
+
 Both backends implement the same operations with identical semantics (a differential
 test holds them to it), so the single-process server and a Redis fleet behave alike.
 """
@@ -85,6 +91,13 @@ class EventKind(enum.StrEnum):
 
 
 QUEUE_TIMEOUT = "queue_timeout"
+# The error event of a job abandoned because its gateway went away: nobody should read
+# it, but a gateway that was only cut off from Redis for a while learns what happened.
+GATEWAY_LOST = "gateway_lost"
+# How long a gateway's presence must have been seen lapsed before its jobs are
+# abandoned. A stopped Redis lapses every presence at once; once it runs again, live
+# gateways renew theirs within a second, well inside this.
+GATEWAY_GRACE_MS = 2_000
 
 
 @dataclass(frozen=True)
@@ -108,6 +121,15 @@ class ResultEvent:
     @property
     def is_terminal(self) -> bool:
         return self.kind is not EventKind.TOKENS
+
+
+@dataclass(frozen=True)
+class QueueTotals:
+    """What happened to leased jobs since the queue began (operators watch the rates)."""
+
+    lease_expirations: int = 0  # leases that ran out (their worker died or stalled)
+    requeues: int = 0  # jobs their worker handed back (a drain, an engine that stopped)
+    abandoned: int = 0  # jobs ended because their gateway went away
 
 
 @dataclass(frozen=True)
@@ -273,13 +295,23 @@ class QueueBackend(Protocol):
 
     async def get_tiers(self) -> list[TierConfig]: ...
 
-    async def enqueue(self, job: Job, *, slo: SloBudget | None = None) -> float | None:
+    async def enqueue(
+        self, job: Job, *, slo: SloBudget | None = None, gateway_id: str | None = None
+    ) -> float | None:
         """Queue an admitted job. Raises UnknownTierError, SloUnattainableError (only with
         `slo`), DuplicateJobError, QueueFullError, checked in that order.
 
         With `slo`, the work the policy would serve first is read and the job refused if
         its predicted TTFT exceeds the SLO, atomically with queueing it; returns that
-        prediction in ms (None without `slo`)."""
+        prediction in ms (None without `slo`). With `gateway_id`, the job is abandoned
+        once that gateway's presence (`publish_gateway`) has lapsed."""
+        ...
+
+    async def publish_gateway(self, gateway_id: str, ttl_ms: int) -> None:
+        """The gateway is alive for ttl_ms more (publish again to stay so). Once it has
+        lapsed for GATEWAY_GRACE_MS, its jobs are abandoned: finished as cancelled, with
+        an error event of code GATEWAY_LOST, at their next dispatch, lease renewal or
+        reclaim. A gateway that is shutting down lapses itself with ttl_ms=1."""
         ...
 
     async def dispatch(self, worker_id: str, lease_ms: int) -> Job | None:
@@ -316,7 +348,8 @@ class QueueBackend(Protocol):
         ...
 
     async def renew(self, worker_id: str, job_id: str, lease_ms: int) -> bool:
-        """Extend a lease; False means the worker lost the job (cancelled or reclaimed)."""
+        """Extend a lease; False means the worker lost the job (cancelled, abandoned or
+        reclaimed)."""
         ...
 
     async def requeue(self, job_id: str, *, worker_id: str | None = None) -> bool:
@@ -326,7 +359,8 @@ class QueueBackend(Protocol):
         ...
 
     async def reclaim_expired_leases(self, now_ms: int | None = None) -> list[str]:
-        """Requeue jobs whose lease ran out; each resumes after the tokens it streamed."""
+        """Requeue jobs whose lease ran out; each resumes after the tokens it streamed.
+        Returns the requeued ids (a job whose gateway has gone is abandoned instead)."""
         ...
 
     async def cancel(self, job_id: str) -> bool:
@@ -336,6 +370,10 @@ class QueueBackend(Protocol):
     async def job_status(self, job_id: str) -> JobStatus | None: ...
 
     async def depth(self) -> dict[str, TierDepth]: ...
+
+    async def totals(self) -> QueueTotals:
+        """Lease expirations, requeues and abandoned jobs since the queue began."""
+        ...
 
     async def counters(self, tier: str) -> dict[str, float]:
         """Every known tenant's virtual token counter in a tier (for fairness reports)."""

@@ -10,10 +10,11 @@ are generated and are charged to the tenant's fair-share counter; the job ends w
 complete or fail.
 
 In the background the dispatcher renews its leases (a job whose lease it lost, because
-the client cancelled or another worker reclaimed it, is aborted in the engine), requeues
-the jobs of dead workers (`reclaim_expired_leases`) and publishes its measured capacity,
-which keeps it counted as live. A job that resumes after another worker died runs with
-its prompt plus the tokens the client already has and continues after them.
+the client cancelled, its gateway went away or another worker reclaimed it, is aborted
+in the engine), requeues the jobs of dead workers (`reclaim_expired_leases`) and
+publishes its measured capacity, which keeps it counted as live. A job that resumes
+after another worker died runs with its prompt plus the tokens the client already has
+and continues after them.
 
 `aclose` drains: it stops leasing, lets running jobs finish for a while, then puts the
 rest back in the queue (each resumes elsewhere after the tokens it streamed).
@@ -421,7 +422,8 @@ class Dispatcher:
         await self.publish_capacity()
         for job_id, running in list(self._running.items()):
             is_held = await self._backend.renew(self.worker_id, job_id, self._config.lease_ms)
-            # Cancelled by its client or taken over: stop spending the GPU on it.
+            # Cancelled by its client, abandoned with its gateway or taken over: stop
+            # spending the GPU on it.
             if not is_held and running.task is not None:
                 running.task.cancel()
         if await self._backend.reclaim_expired_leases():

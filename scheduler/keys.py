@@ -37,6 +37,11 @@ Families (after the prefix):
                           when it reported (`reported_at_ms`)
 - `rl:<tenant>`           hash, a tenant's RPM and TPM bucket levels
 - `rl_inflight:<tenant>`  sorted set, reservation id -> ms when it lapses (concurrency)
+- `gateway:<gateway>`     string, a gateway's presence: `up` while it renews it (a TTL of
+                          a few seconds); once that lapses, the ms when a queue script
+                          first found it gone (see owner_gone in lua/_lib.lua)
+- `totals`                hash, counts since the queue began, for operators:
+                          `lease_expirations`, `requeues`, `abandoned` (QueueTotals)
 """
 
 from __future__ import annotations
@@ -71,6 +76,8 @@ FAMILIES: dict[str, str] = {
     "cap": "cap:",
     "rl": "rl:",
     "rl_inflight": "rl_inflight:",
+    "gateway": "gateway:",
+    "totals": "totals",
 }
 
 
@@ -123,6 +130,10 @@ class KeySpace:
     def live_jobs(self) -> str:
         return self._key("live_jobs")
 
+    @property
+    def totals(self) -> str:
+        return self._key("totals")
+
     def job(self, job_id: str) -> str:
         return self._key("job", job_id)
 
@@ -152,6 +163,9 @@ class KeySpace:
 
     def rate_inflight(self, tenant_id: str) -> str:
         return self._key("rl_inflight", tenant_id)
+
+    def gateway(self, gateway_id: str) -> str:
+        return self._key("gateway", gateway_id)
 
     def pattern(self) -> str:
         """A SCAN pattern matching every key of this prefix (for cleanup in tests)."""

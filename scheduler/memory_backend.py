@@ -25,6 +25,7 @@ from scheduler.backend import (
     FleetCapacity,
     JobStatus,
     QueueFullError,
+    QueueTotals,
     ResultEvent,
     SloBudget,
     TenantDepth,
@@ -191,6 +192,8 @@ class MemoryBackend:
         # What worker_reports shows of each report: published at ms, operator fields.
         # worker id -> (published at ms, WorkerReport fields shown to operators)
         self._worker_details: dict[str, tuple[int, dict[str, Any]]] = {}
+        self._num_lease_expirations = 0
+        self._num_requeues = 0
         self._configure(tiers)
 
     # -- tiers -------------------------------------------------------------------------
@@ -228,7 +231,11 @@ class MemoryBackend:
 
     # -- queue -------------------------------------------------------------------------
 
-    async def enqueue(self, job: Job, *, slo: SloBudget | None = None) -> float | None:
+    async def enqueue(
+        self, job: Job, *, slo: SloBudget | None = None, gateway_id: str | None = None
+    ) -> float | None:
+        # `gateway_id` is not kept: this queue lives in its gateway's process, so no job
+        # can outlive the gateway that queued it (no job is ever abandoned here).
         self._purge(self._clock_ms())
         config = self._tier_configs.get(job.tier)
         if config is None:
@@ -461,6 +468,7 @@ class MemoryBackend:
         if worker_id is not None and entry.worker_id != worker_id:
             return False
         self._requeue(entry, self._streamed(job_id))
+        self._num_requeues += 1
         return True
 
     async def reclaim_expired_leases(self, now_ms: int | None = None) -> list[str]:
@@ -480,7 +488,11 @@ class MemoryBackend:
                 continue
             self._requeue(entry, self._streamed(job_id))
             reclaimed.append(job_id)
+        self._num_lease_expirations += len(reclaimed)
         return reclaimed
+
+    async def publish_gateway(self, gateway_id: str, ttl_ms: int) -> None:
+        return None  # see enqueue: nothing outlives this process's gateway
 
     async def cancel(self, job_id: str) -> bool:
         entry = self._entries.get(job_id)
@@ -536,6 +548,9 @@ class MemoryBackend:
             for name, tier in self._tiers.items()
             if tier.num_jobs
         }
+
+    async def totals(self) -> QueueTotals:
+        return QueueTotals(self._num_lease_expirations, self._num_requeues, 0)
 
     async def counters(self, tier: str) -> dict[str, float]:
         known = self._tiers.get(tier)

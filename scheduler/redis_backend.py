@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import re
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
@@ -26,6 +27,7 @@ import redis.exceptions
 
 from scheduler import policy
 from scheduler.backend import (
+    GATEWAY_GRACE_MS,
     START_CURSOR,
     WORKER_DETAIL_TYPES,
     BackendUnavailableError,
@@ -34,6 +36,7 @@ from scheduler.backend import (
     FleetCapacity,
     JobStatus,
     QueueFullError,
+    QueueTotals,
     ResultEvent,
     SloBudget,
     TenantDepth,
@@ -163,6 +166,7 @@ class RedisBackend:
         result_ttl_ms: int = 3_600_000,
         max_reclaim: int = 256,
         channel: ScriptChannel | None = None,
+        gateway_grace_ms: int = GATEWAY_GRACE_MS,
     ) -> None:
         """Script calls go over `channel` when given (its owner closes it), else through
         redis-py. With a channel, result streams are followed by one reader for the whole
@@ -178,6 +182,7 @@ class RedisBackend:
         self._finished_ttl_ms = finished_ttl_ms
         self._result_ttl_ms = result_ttl_ms
         self._max_reclaim = max_reclaim
+        self._gateway_grace_ms = gateway_grace_ms
         # The policy knobs as the dispatch script reads them, formatted once.
         c = self._config
         self._policy_args = (
@@ -227,9 +232,13 @@ class RedisBackend:
 
     # -- queue -------------------------------------------------------------------------
 
-    async def enqueue(self, job: Job, *, slo: SloBudget | None = None) -> float | None:
+    async def enqueue(
+        self, job: Job, *, slo: SloBudget | None = None, gateway_id: str | None = None
+    ) -> float | None:
         budget = "" if slo is None else _budget_arg(slo)
-        outcome = await self._run("enqueue", self._clock_ms(), budget, *_enqueue_fields(job))
+        outcome = await self._run(
+            "enqueue", self._clock_ms(), budget, gateway_id or "", *_enqueue_fields(job)
+        )
         verdict, _, predicted = outcome.partition(":")
         if verdict == "ok":
             return float(predicted) if predicted else None
@@ -250,7 +259,9 @@ class RedisBackend:
             raise QueueFullError(job.tier, cap or 0)
         raise AssertionError(f"enqueue.lua answered {outcome!r}")
 
-    async def enqueue_many(self, jobs: Sequence[Job]) -> list[str]:
+    async def enqueue_many(
+        self, jobs: Sequence[Job], *, gateway_id: str | None = None
+    ) -> list[str]:
         """Enqueue in one round trip, in order; returns each job's outcome ('ok',
         'unknown_tier', 'duplicate' or 'queue_full') instead of raising.
 
@@ -260,7 +271,7 @@ class RedisBackend:
         now_ms = self._clock_ms()
         calls = []
         for i in range(0, len(jobs), MAX_JOBS_PER_CALL):
-            args: list[object] = [self._keys.prefix, now_ms, ""]  # no SLO budget
+            args: list[object] = [self._keys.prefix, now_ms, "", gateway_id or ""]  # no SLO
             for job in jobs[i : i + MAX_JOBS_PER_CALL]:
                 args.extend(_enqueue_fields(job))
             calls.append(args)
@@ -318,6 +329,7 @@ class RedisBackend:
             self._finished_ttl_ms,
             self._result_ttl_ms,
             num_jobs,
+            self._gateway_grace_ms,
         ]
 
     async def charge(self, job_id: str, *, input_tokens: int = 0, output_tokens: int = 0) -> bool:
@@ -345,14 +357,40 @@ class RedisBackend:
         return None if raw is None else float(raw)
 
     async def renew(self, worker_id: str, job_id: str, lease_ms: int) -> bool:
-        return bool(await self._run("renew", self._clock_ms(), worker_id, job_id, lease_ms))
+        return bool(
+            await self._run(
+                "renew",
+                self._clock_ms(),
+                worker_id,
+                job_id,
+                lease_ms,
+                self._gateway_grace_ms,
+                self._result_ttl_ms,
+                self._finished_ttl_ms,
+            )
+        )
 
     async def requeue(self, job_id: str, *, worker_id: str | None = None) -> bool:
         return bool(await self._run("requeue", self._clock_ms(), job_id, worker_id or ""))
 
     async def reclaim_expired_leases(self, now_ms: int | None = None) -> list[str]:
         now_ms = self._clock_ms() if now_ms is None else now_ms
-        return list(await self._run("reclaim", now_ms, self._max_reclaim))
+        return list(
+            await self._run(
+                "reclaim",
+                now_ms,
+                self._max_reclaim,
+                self._gateway_grace_ms,
+                self._result_ttl_ms,
+                self._finished_ttl_ms,
+            )
+        )
+
+    async def publish_gateway(self, gateway_id: str, ttl_ms: int) -> None:
+        # A key that expires by Redis's own clock: a gateway's clock, however far off the
+        # workers', never decides whether it looks alive.
+        with unavailable_as_error():
+            await self._redis.set(self._keys.gateway(gateway_id), "up", px=max(1, int(ttl_ms)))
 
     async def cancel(self, job_id: str) -> bool:
         return bool(await self._run("cancel", self._clock_ms(), job_id, self._finished_ttl_ms))
@@ -389,6 +427,13 @@ class RedisBackend:
                     },
                 )
         return out
+
+    async def totals(self) -> QueueTotals:
+        with unavailable_as_error():
+            raw = await self._redis.hgetall(self._keys.totals)
+        # Only the counts this version knows (a newer worker may count more).
+        known = {f.name for f in dataclasses.fields(QueueTotals)}
+        return QueueTotals(**{name: int(value) for name, value in raw.items() if name in known})
 
     async def counters(self, tier: str) -> dict[str, float]:
         with unavailable_as_error():

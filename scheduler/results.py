@@ -9,21 +9,36 @@ from the queue, or makes its worker abort it at its next publish or heartbeat.
 The first event a lease publishes carries the job's queue wait (ResultEvent.queue_wait_ms),
 so the gateway learns when the job left the queue without an event, and a wake-up, of
 its own.
+
+Beside its streams, a JobClient keeps three things in the background (`_keep`, once a
+second): its presence in the queue (`publish_gateway`), so that the jobs of a gateway
+that died are abandoned instead of run for nobody; the cancels the queue could not take
+when they were made (Redis unreachable), tried again until they land, so that a client
+answered with an error does not leave its job to run once Redis is back; and a watch
+on the fleet: a request waiting for a worker when none has been live for `no_worker_ms`
+is answered with NoCapacityError (503 no_capacity) and its job cancelled.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import os
+import socket
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import EngineDeadError, RequestAbortedError
 from engine.request import TokenLogprob
+from scheduler.admission import NoCapacityError
 from scheduler.backend import (
+    GATEWAY_LOST,
     QUEUE_TIMEOUT,
+    BackendUnavailableError,
     EventKind,
     JobStatus,
     QueueBackend,
@@ -33,10 +48,37 @@ from scheduler.backend import (
 from scheduler.job import Job
 from scheduler.logprobs import decode_logprobs
 
+log = logging.getLogger(__name__)
+
 # Codes a worker ends a stream with (ResultEvent.code).
 ENGINE_ERROR = "engine_error"
 INVALID_REQUEST = "invalid_request"
 WORKER_SHUTDOWN = "worker_shutdown"
+
+# The background round of a JobClient (presence, cancels to retry, the fleet watch).
+KEEP_EVERY_S = 1.0
+# A gateway's presence lapses this long after its last renewal (the queue then waits
+# GATEWAY_GRACE_MS more before it abandons the gateway's jobs): a few missed rounds of
+# an event loop that runs late, not the seconds a dead gateway's jobs would run on.
+PRESENCE_TTL_MS = 5_000
+# A cancel the queue could not take is tried again each round for this long, long
+# enough to outlast a Redis restart or failover. A gateway that dies meanwhile needs it
+# no more: its presence lapses and its jobs are abandoned.
+CANCEL_RETRY_S = 600.0
+MAX_PENDING_CANCELS = 100_000
+# A request still waiting for a token after the fleet has shown no live worker for this
+# long is answered 503 no_capacity. A worker's report lapses 5 s after its last
+# heartbeat, so a client hears within about 5 s + this + a round that its worker died
+# and none is left; a worker that comes back (a restart, a paused process) before then
+# reclaims the job's expired lease and the request completes as if nothing happened.
+NO_WORKER_MS = 5_000.0
+# How long a closing client waits for the cancels it made in the background.
+CLOSE_WAIT_S = 2.0
+
+
+def default_gateway_id() -> str:
+    """host-pid-random: unique per process, and readable in Redis."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
 class QueueTimeoutError(Exception):
@@ -110,6 +152,11 @@ class JobStream:
         # queue_wait_ms, else the event's arrival).
         self.dispatched_s: float | None = None
         self.num_output_tokens = 0
+        # Monotonic: the last sign of life of the job (its enqueue, then each event).
+        self.last_event_s = enqueued_s
+        # A client waits on it: answered no_capacity when no worker is left to serve it
+        # (a Batch API line waits for one instead).
+        self.needs_worker = False
         self._items: asyncio.Queue[Any] = asyncio.Queue()
         self._reader: asyncio.Task[None] | None = None
         # The queue-timeout check: a timer while waiting, a task once it fires.
@@ -133,6 +180,7 @@ class JobStream:
     async def _read(self, events: AsyncIterator[ResultEvent]) -> None:
         try:
             async for event in events:
+                self.last_event_s = time.monotonic()
                 if event.kind is EventKind.TOKENS:
                     if self.dispatched_s is None:
                         self._dispatched(event)
@@ -179,7 +227,9 @@ class JobStream:
             return QueueTimeoutError(self.job.job_id, self.job.max_queue_ms)
         if event.code == INVALID_REQUEST:
             return JobInvalidError(event.code, event.message)
-        if event.code == WORKER_SHUTDOWN:
+        if event.code in (WORKER_SHUTDOWN, GATEWAY_LOST):
+            # Lost with its gateway: only a gateway cut off from the queue for seconds
+            # reads this; the request is gone, so it gets the retry of a shutdown.
             return EngineDeadError(event.message or "the worker shut down")
         return JobFailedError(event.code or ENGINE_ERROR, event.message)
 
@@ -225,7 +275,8 @@ class JobClient:
     """Submits jobs to the queue and follows their result channels (the gateway side).
 
     `on_enqueue` is called after each successful enqueue: a worker in the same process
-    uses it to look at the queue at once instead of at its next poll.
+    uses it to look at the queue at once instead of at its next poll. Every job is
+    queued under `gateway_id`, this client's presence (see the module docstring).
     """
 
     def __init__(
@@ -234,12 +285,30 @@ class JobClient:
         *,
         poll_ms: int = 500,
         on_enqueue: Callable[[], None] | None = None,
+        gateway_id: str | None = None,
+        keep_every_s: float = KEEP_EVERY_S,
+        presence_ttl_ms: int = PRESENCE_TTL_MS,
+        no_worker_ms: float = NO_WORKER_MS,
+        cancel_retry_s: float = CANCEL_RETRY_S,
     ) -> None:
+        if presence_ttl_ms <= 2 * keep_every_s * 1000:
+            raise ValueError("the presence must outlast two rounds of its renewal")
         self._backend = backend
         self._poll_ms = poll_ms
         self._on_enqueue = on_enqueue
+        self.gateway_id = gateway_id or default_gateway_id()
+        self._keep_every_s = keep_every_s
+        self._presence_ttl_ms = presence_ttl_ms
+        self._no_worker_s = no_worker_ms / 1000.0
+        self._cancel_retry_s = cancel_retry_s
         self._streams: dict[str, JobStream] = {}
         self._closed = False
+        # The background loops (see `_start_keeper`); empty until the first job.
+        self._keepers: list[asyncio.Task[None]] = []
+        # job id -> monotonic time after which its cancel is no longer retried
+        self._pending_cancels: dict[str, float] = {}
+        self._no_worker_since: float | None = None  # monotonic; None while one is live
+        self._background: set[asyncio.Task[Any]] = set()
 
     @property
     def backend(self) -> QueueBackend:
@@ -248,6 +317,11 @@ class JobClient:
     @property
     def num_open(self) -> int:
         return len(self._streams)
+
+    @property
+    def num_pending_cancels(self) -> int:
+        """Cancels the queue could not take yet (tried again every round)."""
+        return len(self._pending_cancels)
 
     async def submit_and_wait(
         self, job: Job, *, queue_timeout_ms: float | None = None, slo: SloBudget | None = None
@@ -258,11 +332,15 @@ class JobClient:
 
         With `queue_timeout_ms`, a job still queued after that long is dropped and its
         stream raises QueueTimeoutError (the queue also drops timed-out jobs, but only
-        when a worker asks it for work, which a busy fleet may not do for a while).
+        when a worker asks it for work, which a busy fleet may not do for a while). A
+        client waits on it: when no worker has been live for `no_worker_ms` and the job
+        has had no event meanwhile, its stream raises NoCapacityError and it is
+        cancelled.
         """
         stream = self._open(job)
+        stream.needs_worker = True
         try:
-            await self._backend.enqueue(job, slo=slo)
+            await self._backend.enqueue(job, slo=slo, gateway_id=self.gateway_id)
         except BaseException:
             self._streams.pop(job.job_id, None)
             raise
@@ -302,13 +380,14 @@ class JobClient:
     def _open(self, job: Job) -> JobStream:
         if self._closed:
             raise EngineDeadError("the server is shutting down")
+        self._start_keeper()
         stream = JobStream(job, time.monotonic())
         self._streams[job.job_id] = stream
         return stream
 
     async def _enqueue_then_follow(self, job: Job) -> AsyncIterator[ResultEvent]:
         try:
-            await self._backend.enqueue(job)
+            await self._backend.enqueue(job, gateway_id=self.gateway_id)
         except BaseException:
             self._streams.pop(job.job_id, None)
             raise
@@ -326,14 +405,121 @@ class JobClient:
 
     async def cancel(self, job_id: str) -> bool:
         """Drop the job from the queue, or have its worker abort it. Idempotent; True if
-        the queue still held the job (queued or running)."""
+        the queue still held the job (queued or running). A queue that cannot be reached
+        raises BackendUnavailableError, and the cancel is tried again every round until
+        it lands (for `cancel_retry_s` at most): the job must not run for nobody once the
+        queue is back."""
         stream = self._streams.pop(job_id, None)
         try:
             cancelled = await self._backend.cancel(job_id)
+        except BackendUnavailableError:
+            self._retry_cancel(job_id)
+            raise
         finally:
             if stream is not None:
                 await stream._stop(RequestAbortedError(f"request {job_id} was cancelled"))
         return cancelled
+
+    def cancel_soon(self, job_id: str) -> None:
+        """`cancel` in the background, for a caller that answers its client first (a
+        queue that hangs would hold the answer for its whole timeout)."""
+        if self._closed:
+            return  # aclose cancels every job it still follows
+        task = asyncio.create_task(self._cancel_quietly(job_id), name=f"cancel-{job_id}")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _cancel_quietly(self, job_id: str) -> None:
+        try:
+            await self.cancel(job_id)
+        except BackendUnavailableError as exc:
+            log.warning("request %s: cancel deferred, the queue is unreachable (%s)", job_id, exc)
+        except Exception:
+            log.exception("request %s: could not cancel its job", job_id)
+
+    def _retry_cancel(self, job_id: str) -> None:
+        if self._closed:
+            return  # aclose tries the pending ones a last time; later ones lapse with us
+        if job_id not in self._pending_cancels:
+            if len(self._pending_cancels) >= MAX_PENDING_CANCELS:
+                oldest = next(iter(self._pending_cancels))
+                del self._pending_cancels[oldest]
+                log.warning("request %s: too many cancels pending, gave up on it", oldest)
+            self._pending_cancels[job_id] = time.monotonic() + self._cancel_retry_s
+        self._start_keeper()
+
+    # ----------------------------------------------------------------- background
+    def _start_keeper(self) -> None:
+        # The presence has a loop of its own: retries piling up after an outage, or a
+        # stream the watch stops, must not hold back its renewal past the queue's grace.
+        if not self._keepers and not self._closed:
+            self._keepers = [
+                asyncio.create_task(self._keep(self._publish_presence), name="gateway-presence"),
+                asyncio.create_task(
+                    self._keep(self._retry_cancels, self._watch_workers), name="job-client-watch"
+                ),
+            ]
+
+    async def _keep(self, *steps: Callable[[], Any]) -> None:
+        while True:
+            for step in steps:
+                try:
+                    await step()
+                except BackendUnavailableError as exc:
+                    log.debug("%s: %s", step.__name__, exc)
+                except Exception:
+                    log.exception("%s failed", step.__name__)
+            await asyncio.sleep(self._keep_every_s)
+
+    async def _publish_presence(self) -> None:
+        await self._backend.publish_gateway(self.gateway_id, self._presence_ttl_ms)
+
+    async def _retry_cancels(self) -> None:
+        now_s = time.monotonic()
+        for job_id, until_s in list(self._pending_cancels.items()):
+            if now_s > until_s:
+                del self._pending_cancels[job_id]
+                log.warning("request %s: gave up cancelling its job", job_id)
+                continue
+            await self._backend.cancel(job_id)  # unreachable still: the next round
+            self._pending_cancels.pop(job_id, None)
+            log.info("request %s: its deferred cancel landed", job_id)
+
+    async def _watch_workers(self) -> None:
+        """Answer the requests nothing can serve: no worker live for `no_worker_ms`.
+
+        Why here, and not by reclaiming the expired leases from the gateway: a job put
+        back in a queue that no worker reads waits just the same, and a job that already
+        ran has no queue timeout to fall back on (its client has tokens), nor has any
+        job of a tier without max_queue_ms. What its client needs to hear is what a new
+        request hears at once with no live worker: 503 no_capacity. A gap in the
+        reports shorter than the grace (a restarting or paused worker) changes nothing.
+        """
+        waiting = [s for s in self._streams.values() if s.needs_worker and not s._ended]
+        if not waiting:
+            self._no_worker_since = None
+            return
+        capacity = await self._backend.fleet_capacity()
+        now_s = time.monotonic()
+        if capacity.num_workers:
+            self._no_worker_since = None
+            return
+        if self._no_worker_since is None:
+            self._no_worker_since = now_s
+        for stream in waiting:
+            if now_s - max(self._no_worker_since, stream.last_event_s) >= self._no_worker_s:
+                await self._fail_without_workers(stream)
+
+    async def _fail_without_workers(self, stream: JobStream) -> None:
+        job_id = stream.job.job_id
+        self._streams.pop(job_id, None)
+        await stream._stop(
+            NoCapacityError(
+                f"No worker has been live for {self._no_worker_s:.0f} s, so nothing can "
+                "serve this request; retry later."
+            )
+        )
+        self.cancel_soon(job_id)
 
     async def aclose(self) -> None:
         """Cancel every open job; their streams raise EngineDeadError (shutting down)."""
@@ -343,3 +529,20 @@ class JobClient:
             await stream._stop(EngineDeadError("the server is shutting down"))
             with contextlib.suppress(Exception):
                 await self._backend.cancel(job_id)
+        if self._background:
+            # Cancels on their way: given a moment to land, not a hung queue's timeout.
+            _, stuck = await asyncio.wait(list(self._background), timeout=CLOSE_WAIT_S)
+            for task in stuck:
+                task.cancel()
+            await asyncio.gather(*stuck, return_exceptions=True)
+        keepers, self._keepers = self._keepers, []
+        if not keepers:
+            return  # never queued anything: no presence to lapse
+        for task in keepers:
+            task.cancel()
+        await asyncio.gather(*keepers, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await self._retry_cancels()  # a last try; what is left lapses with us
+        with contextlib.suppress(Exception):
+            # Lapse now rather than after the TTL: what is still queued goes at once.
+            await self._backend.publish_gateway(self.gateway_id, 1)

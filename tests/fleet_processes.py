@@ -156,6 +156,57 @@ def stop_processes(procs: list[subprocess.Popen]) -> None:
             proc.wait()
 
 
+class RedisServer:
+    """A redis-server of a test's own on a free port (never the shared one), to stop,
+    pause (SIGSTOP: connections hang, as with a stalled server) and resume."""
+
+    def __init__(self, log: Path) -> None:
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._log = log
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        with self._log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [
+                    *("redis-server", "--port", str(self.port), "--bind", "127.0.0.1"),
+                    *("--save", "", "--appendonly", "no", "--daemonize", "no"),
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        client = redis.Redis.from_url(self.url)
+        try:
+            deadline = time.monotonic() + 10.0
+            while not _pings(client):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"redis-server on port {self.port} did not start")
+                time.sleep(0.05)
+        finally:
+            client.close()
+
+    def pause(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _pings(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.ConnectionError:
+        return False
+
+
 def delete_redis_prefix(redis_url: str, prefix: str) -> None:
     """Remove every key a fleet made under its own prefix."""
     client = redis.Redis.from_url(redis_url)

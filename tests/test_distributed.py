@@ -28,7 +28,6 @@ import subprocess
 import time
 from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 import openai
@@ -41,6 +40,7 @@ from scheduler.policy import PolicyConfig
 from tests.conftest import REDIS_URL
 from tests.fleet_processes import (
     ONE_THREAD,
+    RedisServer,
     fleet_setup,
     free_port,
     spawn_tiergate,
@@ -755,44 +755,6 @@ def test_sigkill_of_a_worker_mid_stream_loses_nothing(fleet: Fleet) -> None:
 
 
 # --------------------------------------------------------------------------- Redis outage
-class RedisServer:
-    """A redis-server of this test's own on a free port (never the shared one)."""
-
-    def __init__(self, log: Path) -> None:
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self._log = log
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        with self._log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [
-                    *("redis-server", "--port", str(self.port), "--bind", "127.0.0.1"),
-                    *("--save", "", "--appendonly", "no", "--daemonize", "no"),
-                ],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-        client = redis.Redis.from_url(self.url)
-        try:
-            _until(lambda: _pings(client), 10.0)
-        finally:
-            client.close()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
-def _pings(client: redis.Redis) -> bool:
-    try:
-        return bool(client.ping())
-    except redis.ConnectionError:
-        return False
-
-
 @pytest.fixture
 def lone_server(tmp_path) -> Iterator[tuple[str, str, RedisServer]]:
     """`tiergate serve` (one process, SQLite) on a Redis of its own:

@@ -1,9 +1,11 @@
-"""/admin/v1/queues: live queue depth per tier and tenant, fleet capacity, and each live
+"""/admin/v1/queues: live queue depth per tier and tenant, fleet capacity, each live
 worker's latest report (heartbeat age, measured rates, engine sequences, KV-cache use,
-backlog held in its engine).
+backlog held in its engine), and the queue's totals since it began (lease expirations,
+requeues, jobs abandoned with their gateway).
 
-Also the queue depth telemetry reads: `QueueMonitor` keeps a snapshot refreshed in the
-background, because metric callbacks are synchronous and must not wait on Redis.
+Also the queue depth and totals telemetry reads: `QueueMonitor` keeps a snapshot
+refreshed in the background, because metric callbacks are synchronous and must not wait
+on Redis.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from gateway.errors import AuthenticationError, error_response
-from scheduler.backend import FleetCapacity, QueueBackend, TierDepth, WorkerReport
+from scheduler.backend import FleetCapacity, QueueBackend, QueueTotals, TierDepth, WorkerReport
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +52,20 @@ def worker_view(report: WorkerReport) -> dict:
     }
 
 
+def totals_view(totals: QueueTotals) -> dict[str, int]:
+    """The queue's totals as /admin/v1/queues and the metrics name them."""
+    return {
+        "lease_expirations": totals.lease_expirations,
+        "requeues": totals.requeues,
+        "abandoned_jobs": totals.abandoned,
+    }
+
+
 def queues_view(
     depth: Mapping[str, TierDepth],
     capacity: FleetCapacity,
     workers: Sequence[WorkerReport] = (),
+    totals: QueueTotals | None = None,
 ) -> dict:
     """The JSON body of GET /admin/v1/queues."""
     return {
@@ -78,6 +90,7 @@ def queues_view(
             "decode_tokens_per_s": capacity.decode_tokens_per_s,
             "data": [worker_view(report) for report in workers],
         },
+        "totals": totals_view(totals or QueueTotals()),
     }
 
 
@@ -87,10 +100,13 @@ def queue_routes(backend: QueueBackend, admin_token: str) -> list[BaseRoute]:
     async def queues(request: Request) -> Response:
         try:
             _check_admin(admin_token, request)
-            depth, capacity, workers = await asyncio.gather(
-                backend.depth(), backend.fleet_capacity(), backend.worker_reports()
+            depth, capacity, workers, totals = await asyncio.gather(
+                backend.depth(),
+                backend.fleet_capacity(),
+                backend.worker_reports(),
+                backend.totals(),
             )
-            return JSONResponse(queues_view(depth, capacity, workers))
+            return JSONResponse(queues_view(depth, capacity, workers, totals))
         except Exception as exc:
             return error_response(exc)
 
@@ -98,14 +114,16 @@ def queue_routes(backend: QueueBackend, admin_token: str) -> list[BaseRoute]:
 
 
 class QueueMonitor:
-    """Queued jobs per tier and the live workers' reports, refreshed every `interval_s`
-    for synchronous readers (metric callbacks, the dashboard's snapshot)."""
+    """Queued jobs per tier, the live workers' reports and the queue's totals, refreshed
+    every `interval_s` for synchronous readers (metric callbacks, the dashboard's
+    snapshot)."""
 
     def __init__(self, backend: QueueBackend, *, interval_s: float = 1.0) -> None:
         self._backend = backend
         self._interval_s = interval_s
         self._depth: dict[str, int] = {}
         self._workers: dict[str, WorkerReport] = {}
+        self._totals: dict[str, int] = {}
         self._task: asyncio.Task[None] | None = None
 
     def depth_by_tier(self) -> Mapping[str, int]:
@@ -116,17 +134,22 @@ class QueueMonitor:
         workers its metrics and dashboard show."""
         return dict(self._workers)
 
+    def totals(self) -> Mapping[str, int]:
+        """The queue's totals (totals_view), empty until first read."""
+        return dict(self._totals)
+
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="queue-monitor")
 
     async def _run(self) -> None:
         while True:
             try:
-                depth, reports = await asyncio.gather(
-                    self._backend.depth(), self._backend.worker_reports()
+                depth, reports, totals = await asyncio.gather(
+                    self._backend.depth(), self._backend.worker_reports(), self._backend.totals()
                 )
                 self._depth = {tier: d.num_jobs for tier, d in depth.items()}
                 self._workers = {report.worker_id: report for report in reports}
+                self._totals = totals_view(totals)
             except Exception as exc:  # the queue may be down; keep the last snapshot
                 log.debug("queue state unavailable: %r", exc)
             await asyncio.sleep(self._interval_s)

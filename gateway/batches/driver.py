@@ -334,6 +334,12 @@ class _BatchRun:
             log.debug(
                 "batch %s line %d refused by the queue: %s", self.batch_id, line.line_index, exc
             )
+            if isinstance(exc, BackendUnavailableError):
+                # The job may be queued or running already (the queue went away after
+                # it took it): the line runs again under a new id, so this one must not
+                # run on for nobody. The job client retries it once the queue is back.
+                with contextlib.suppress(Exception):
+                    await self.driver._runner.cancel(request_id)
             self.refused.append(line)
             self.refused_until_s = time.monotonic() + self.config.refused_backoff_s
             return

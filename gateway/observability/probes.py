@@ -19,15 +19,30 @@ log = logging.getLogger(__name__)
 LOCAL_WORKER_ID = "local"
 
 
+class _DepthAndTotals:
+    """A queue probe that also carries the queue's totals (Telemetry reads `totals`)."""
+
+    def __init__(
+        self, by_tier: Callable[[], Mapping[str, int]], totals: Callable[[], Mapping[str, int]]
+    ) -> None:
+        self._by_tier = by_tier
+        self.totals = totals
+
+    def __call__(self) -> Mapping[str, int]:
+        return self._by_tier()
+
+
 def queue_depth_probe(queue: Any) -> QueueProbe:
     """Queued requests per tier, from whatever the queue exposes.
 
     A queue with `depth_by_tier()` answers per tier; one that only knows its length is
-    reported under the tier "all".
+    reported under the tier "all". A queue with `totals()` (name -> count since the
+    queue began) has them exported as counters too.
     """
     by_tier = getattr(queue, "depth_by_tier", None)
     if callable(by_tier):
-        return by_tier
+        totals = getattr(queue, "totals", None)
+        return _DepthAndTotals(by_tier, totals) if callable(totals) else by_tier
 
     def total() -> Mapping[str, int]:
         return {"all": len(queue)}

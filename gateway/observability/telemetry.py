@@ -69,9 +69,30 @@ HISTOGRAMS = (
     HistogramSpec("tiergate.e2e", "ms", "Arrival to last byte", LATENCY_BUCKETS_MS),
 )
 
-# Probes: () -> {tier: queued jobs}; () -> {worker id: engine stats}.
+# Probes: () -> {tier: queued jobs}; () -> {worker id: engine stats}. A queue probe may
+# carry `totals`: () -> {name: count since the queue began} (gateway.admin.queues).
 QueueProbe = Callable[[], Mapping[str, int]]
 WorkerProbe = Callable[[], Mapping[str, Any]]
+
+# The queue's totals, as counters: name in the probe -> metric, unit, description. They
+# count for the whole fleet (the shared queue), so every gateway reports the same value.
+QUEUE_TOTALS = {
+    "lease_expirations": (
+        "tiergate.queue.lease_expirations",
+        "{lease}",
+        "Leases that ran out (their worker died or stalled) and were reclaimed, fleet-wide",
+    ),
+    "requeues": (
+        "tiergate.queue.requeues",
+        "{job}",
+        "Jobs a worker handed back to the queue (drain, engine stopped), fleet-wide",
+    ),
+    "abandoned_jobs": (
+        "tiergate.queue.abandoned_jobs",
+        "{job}",
+        "Jobs ended because the gateway that queued them went away, fleet-wide",
+    ),
+}
 
 
 class FinishedRequest(Protocol):
@@ -186,6 +207,10 @@ class Telemetry:
             unit="{request}",
             description="Requests queued, by tier",
         )
+        for total, (name, unit, description) in QUEUE_TOTALS.items():
+            meter.create_observable_counter(
+                name, callbacks=[self._total_callback(total)], unit=unit, description=description
+            )
         worker_gauges = {
             "tiergate.engine.running": ("num_running", "{sequence}", "Running sequences"),
             "tiergate.engine.waiting": ("num_waiting", "{sequence}", "Waiting sequences"),
@@ -364,6 +389,16 @@ class Telemetry:
             log.exception("queue depth probe failed")
             return {}
 
+    def queue_totals(self) -> dict[str, int]:
+        totals = getattr(self._queue_probe, "totals", None)
+        if totals is None:
+            return {}
+        try:
+            return {str(k): int(v) for k, v in totals().items()}
+        except Exception:  # a probe must never break a scrape
+            log.exception("queue totals probe failed")
+            return {}
+
     def workers(self) -> dict[str, Any]:
         try:
             return dict(self._worker_probe())
@@ -420,6 +455,14 @@ class Telemetry:
         depths = self.queue_depths()
         for tier in set(self._tier_ranks) | set(depths):
             yield Observation(depths.get(tier, 0), {"tier": tier})
+
+    def _total_callback(self, name: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def observe(_options: CallbackOptions) -> Iterable[Observation]:
+            value = self.queue_totals().get(name)
+            if value is not None:  # not read yet: no sample rather than a false 0
+                yield Observation(value)
+
+        return observe
 
     def _worker_callback(self, field: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
         def observe(_options: CallbackOptions) -> Iterable[Observation]:

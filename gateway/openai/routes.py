@@ -3,7 +3,8 @@
 Admission in order: key -> tenant -> tier (service_tier may only go down); body ->
 typed request; model and context length; then a Job into the queue. The dispatcher runs
 it on the engine and the route streams (SSE) or collects the outputs. A client that goes
-away cancels its job. Every admitted request leaves one UsageRecord.
+away, or is answered with an error, cancels its job. Every admitted request leaves one
+UsageRecord.
 """
 
 from __future__ import annotations
@@ -244,6 +245,8 @@ class OpenAIRoutes:
                 raise
             raise await self.deps.admission.queue_timeout_refusal(exc, job, tier, headers) from exc
         except Exception:
+            # Answered with an error: the job must not run on for nobody.
+            self.deps.dispatcher.cancel_soon(exchange.request_id)
             self._finish(exchange, "error")
             raise
         writer = None if options.logprobs is None else self.logprobs_writer(chat=chat)
@@ -374,7 +377,9 @@ class OpenAIRoutes:
                 num_prompt_tokens=num_prompt_tokens,
                 max_tokens=max_tokens,
                 max_model_len=max_model_len,
-                param="max_tokens" if change_max_tokens else ("messages" if chat else "prompt"),
+                param=options.max_tokens_param
+                if change_max_tokens
+                else ("messages" if chat else "prompt"),
             )
         vocab_size = self.deps.model.tokenizer.vocab_size
         for token, _ in options.logit_bias:
@@ -467,6 +472,10 @@ class OpenAIRoutes:
             with anyio.CancelScope(shield=True):
                 if outcome == "aborted":
                     await self._cancel_quietly(exchange)
+                elif outcome == "error":
+                    # The error event is sent: the job must not run on for nobody. In
+                    # the background, so a hung queue does not hold the stream's end.
+                    self.deps.dispatcher.cancel_soon(exchange.request_id)
                 self._finish(exchange, outcome)
 
     def _account(self, exchange: _Exchange, output: Any, *, is_streamed: bool = False) -> None:
@@ -498,7 +507,7 @@ class OpenAIRoutes:
 
     async def _cancel_quietly(self, exchange: _Exchange) -> None:
         """Cancel the job of a client that went away. Nobody is left to answer, so a
-        queue that cannot be reached is logged (the job then runs to its end unread)."""
+        queue that cannot be reached is logged (the dispatcher tries again later)."""
         try:
             await self.deps.dispatcher.cancel(exchange.request_id)
         except Exception as exc:

@@ -267,3 +267,34 @@ local function streamed_csv(id)
   end
   return table.concat(out, ',')
 end
+
+-- How long the mark of a gateway found gone is kept: long enough to outlast the checks
+-- of its last jobs, short enough that dead gateways' marks do not pile up.
+local GATEWAY_MARK_TTL_MS = 600000
+
+-- Whether the gateway that queued a job (its `gw` field; '' or absent for none) has
+-- gone: its presence key (`up`, renewed every second with a TTL of a few seconds) has
+-- lapsed and stayed so for `grace_ms`. The first check to find it lapsed writes the
+-- time in its place; the gateway's next renewal overwrites it. The grace is for Redis
+-- itself stopping: every presence lapses at once, and live gateways renew theirs within
+-- a second once it runs again.
+local function owner_gone(gateway, now, grace_ms)
+  if not gateway or gateway == '' then return false end
+  local key = K.gateway .. gateway
+  local seen = redis.call('GET', key)
+  if seen == 'up' then return false end
+  if not seen then
+    redis.call('SET', key, string.format('%d', now), 'PX', GATEWAY_MARK_TTL_MS)
+    return false
+  end
+  return now - tonumber(seen) >= grace_ms
+end
+
+-- A job whose gateway has gone has no client left: cancelled rather than run or
+-- requeued for nobody. Its stream says why, for a gateway that was only cut off.
+local function abandon(id, tenant, result_ttl_ms, finished_ttl_ms)
+  emit(id, result_ttl_ms, {'k', 'error', 'c', 'gateway_lost',
+    'm', 'the gateway that queued this request stopped renewing its presence'})
+  finish(id, tenant, 'cancelled', finished_ttl_ms)
+  redis.call('HINCRBY', K.totals, 'abandoned', 1)
+end

@@ -1,11 +1,14 @@
 -- dispatch.lua: drop timed-out jobs, pick the next job by the tier policy, lease it and
 -- charge its prompt tokens on its first lease (scheduler/policy.py states the rules).
 -- One call leases up to a given number of jobs, each exactly as a dispatch of its own
--- at the same now_ms would, so dispatch_many pays the per-call cost once.
+-- at the same now_ms would, so dispatch_many pays the per-call cost once. A picked job
+-- whose gateway has gone (owner_gone in _lib.lua) is abandoned, not leased, and the
+-- next one picked (at most max_expired_per_dispatch of them per call).
 -- KEYS: none; every key derives from the prefix in ARGV[1] (scheduler/keys.py).
 -- ARGV: 1 prefix, 2 now_ms, 3 worker_id, 4 lease_ms, 5 input_token_weight,
 --       6 output_token_weight, 7 share_bucket_ms, 8 share_buckets, 9 deadline_margin_ms,
---       10 max_expired_per_dispatch, 11 finished_ttl_ms, 12 result_ttl_ms, 13 most jobs
+--       10 max_expired_per_dispatch, 11 finished_ttl_ms, 12 result_ttl_ms, 13 most jobs,
+--       14 gateway grace ms
 -- Returns: one string per leased job, in order: "<rank>|<resumed token csv>|<job JSON>"
 -- (fewer jobs than asked, or none, when the queue runs dry). One string per job,
 -- because parsing reply elements was a large part of the client's cost.
@@ -28,6 +31,7 @@ end
 -- and once the earliest deadline is not at risk no later one is. The floor is written
 -- once per tier at the end (dispatch never reads it).
 local expiries_done, deadlines_done = false, false
+local num_abandoned = 0
 local floors = {}
 -- Kept in this call instead of read and written per job (see _lib.lua).
 share_pending = {}
@@ -93,9 +97,14 @@ local function dispatch_one()
   -- 4. Lease it.
   local key = K.job .. id
   local h = redis.call('HMGET', key, 'tier', 'tenant', 'pin', 'dec', 'w', 'chg', 'j', 'res',
-    'dl', 'ex', 'att')
+    'dl', 'ex', 'att', 'gw')
   local tier, tenant, pin = h[1], h[2], tonumber(h[3])
   local is_active = unqueue(id, tier, tenant, pin, tonumber(h[4]), h[9], h[10], popped)
+  if num_abandoned < tonumber(ARGV[10]) and owner_gone(h[12], now, tonumber(ARGV[14])) then
+    num_abandoned = num_abandoned + 1
+    abandon(id, tenant, ARGV[12], ARGV[11])
+    return dispatch_one()
+  end
   if not counter then counter = redis.call('HGET', K.vtc .. tier, tenant) end
   floors[tier] = counter
   if h[6] ~= '1' then  -- 'chg': absent until the first lease charges the prompt

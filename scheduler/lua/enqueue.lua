@@ -2,11 +2,12 @@
 -- One call takes a batch so that enqueue_many pays the per-call cost once; each job's
 -- outcome is exactly that of enqueueing it alone.
 -- KEYS: none; every key derives from the prefix in ARGV[1] (scheduler/keys.py).
--- ARGV: 1 prefix, 2 now_ms, 3 an SLO budget or '' (below), then 3 per job: job_id, job
---       JSON, and the fields the queue reads in one tab-separated string (fewer
---       arguments cost the client less): tier, weight (the tenant's from now on), prompt
---       tokens, max_tokens, deadline ms or '', expire-at ms or '', tenant (last, so it may
---       hold any character)
+-- ARGV: 1 prefix, 2 now_ms, 3 an SLO budget or '' (below), 4 the enqueueing gateway's
+--       id or '' (its jobs are abandoned once it has gone: owner_gone in _lib.lua), then
+--       3 per job: job_id, job JSON, and the fields the queue reads in one tab-separated
+--       string (fewer arguments cost the client less): tier, weight (the tenant's from
+--       now on), prompt tokens, max_tokens, deadline ms or '', expire-at ms or '', tenant
+--       (last, so it may hold any character)
 --       The SLO budget is SloBudget's fields, space-separated: ttft_slo_ms, prefill and
 --       decode tokens/s, held prefill and decode tokens, decode fraction. With it, each
 --       job's TTFT is predicted from the work queued ahead of it (work_ahead) and the job
@@ -63,7 +64,7 @@ local function enqueue_one(id, json, fields)
   end
   -- Fields a lease writes later ('chg', 'att', 'res', 'wk', 'lu') start out absent.
   redis.call('HSET', K.job .. id, 'tier', tier, 'tenant', tenant, 'w', weight, 'pin', pin,
-    'dec', dec, 'seq', seq, 'dl', dl, 'ex', ex, 'st', 'queued')
+    'dec', dec, 'seq', seq, 'dl', dl, 'ex', ex, 'st', 'queued', 'gw', ARGV[4])
   -- The job's weight is the latest the gateway knew: it becomes the tenant's current one,
   -- which charges of all its jobs divide by.
   redis.call('HSET', K.weights, tenant, weight)
@@ -73,7 +74,7 @@ local function enqueue_one(id, json, fields)
   return ok
 end
 
-for a = 4, #ARGV, 3 do
+for a = 5, #ARGV, 3 do
   outcomes[#outcomes + 1] = enqueue_one(ARGV[a], ARGV[a + 1], ARGV[a + 2])
 end
 if seq and seq > first_seq then redis.call('INCRBY', K.seq, seq - first_seq) end

@@ -96,6 +96,13 @@ def test_context_length_exceeded(live_server: LiveServer) -> None:
     # The field to change: max_tokens when it was given and the prompt leaves room for
     # a token, else the prompt itself (here the chat prompt alone is too long).
     assert (info.value.param, chat.value.param) == ("max_tokens", "messages")
+    with pytest.raises(openai.BadRequestError) as newer:
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            max_completion_tokens=live_server.max_model_len,
+        )
+    assert newer.value.param == "max_completion_tokens"  # the name the client used
     with pytest.raises(openai.BadRequestError) as alone:
         client.completions.create(model=MODEL, prompt="word " * live_server.max_model_len)
     assert (alone.value.code, alone.value.param) == ("context_length_exceeded", "prompt")

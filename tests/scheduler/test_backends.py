@@ -16,6 +16,7 @@ from scheduler.backend import (
     EventKind,
     JobStatus,
     QueueFullError,
+    QueueTotals,
     UnknownTierError,
 )
 from scheduler.logprobs import decode_logprobs, encode_logprobs
@@ -219,6 +220,20 @@ async def test_renewed_lease_is_not_reclaimed(backend, make_job, clock) -> None:
     clock.advance(LEASE_MS - 10)
     assert await backend.reclaim_expired_leases() == []
     assert await backend.job_status(job.job_id) is JobStatus.LEASED
+
+
+async def test_totals_count_lease_expirations_and_requeues(backend, make_job, clock) -> None:
+    for _ in range(3):
+        await backend.enqueue(make_job("a"))
+    assert await backend.totals() == QueueTotals()
+    dead = await backend.dispatch("dead", LEASE_MS)
+    handed_back = await backend.dispatch("w1", LEASE_MS)
+    assert await backend.requeue(handed_back.job_id, worker_id="w1")
+    assert not await backend.requeue(handed_back.job_id)  # not leased: nothing counted
+    clock.advance(LEASE_MS)
+    assert await backend.reclaim_expired_leases() == [dead.job_id]
+    assert await backend.reclaim_expired_leases() == []
+    assert await backend.totals() == QueueTotals(lease_expirations=1, requeues=1)
 
 
 async def test_requeue_goes_ahead_of_later_arrivals(backend, make_job) -> None:

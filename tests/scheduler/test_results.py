@@ -4,20 +4,28 @@ A client that goes away while its job is still queued must get its handler back 
 once: the job leaves the queue and the stream's reader stops, even when the reader's
 cancellation lands where redis-py swallows it (while it takes or opens a connection)
 and no result event will ever arrive to end the read.
+
+In the background a client keeps its gateway's presence in the queue, retries the
+cancels a stalled Redis did not take until they land, and answers a request that waits
+on a fleet with no live worker with NoCapacityError (a batch line keeps waiting).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import redis.asyncio as aioredis
 
 from engine.errors import RequestAbortedError
-from scheduler.backend import JobStatus
+from scheduler.admission import NoCapacityError
+from scheduler.backend import BackendUnavailableError, JobStatus
+from scheduler.memory_backend import MemoryBackend
 from scheduler.policy import TierConfig
 from scheduler.redis_backend import RedisBackend
 from scheduler.results import JobClient
+from tests.fleet_processes import RedisServer
 from tests.scheduler.conftest import REDIS_URL, build_job, delete_keys, unique_keys
 
 TIERS = [TierConfig("interactive", rank=1)]
@@ -89,3 +97,102 @@ async def test_closing_the_client_stops_readers_that_are_still_connecting(
     await asyncio.sleep(0.1)
     for i in range(8):  # enqueued or not, none is left queued
         assert await backend.job_status(f"c{i}") in (None, JobStatus.CANCELLED)
+
+
+async def _until(predicate, timeout_s: float) -> float:
+    """Seconds until the (async) predicate held; fails after timeout_s."""
+    started_s = time.monotonic()
+    while not await predicate():
+        assert time.monotonic() - started_s < timeout_s, f"not within {timeout_s} s"
+        await asyncio.sleep(0.02)
+    return time.monotonic() - started_s
+
+
+async def test_a_client_keeps_its_gateway_present_and_lapses_it_on_close(backend) -> None:
+    jobs = JobClient(backend, keep_every_s=0.05, presence_ttl_ms=400)
+    redis = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
+    presence = backend.keys.gateway(jobs.gateway_id)
+    await jobs.submit_and_wait(build_job(job_id="p1", tier="interactive"))
+    assert await redis.hget(backend.keys.job("p1"), "gw") == jobs.gateway_id
+    await _until(lambda: _equals(redis.get(presence), "up"), 2.0)
+    await asyncio.sleep(0.6)  # past one TTL: renewed meanwhile
+    assert await redis.get(presence) == "up"
+    assert 0 < await redis.pttl(presence) <= 400
+    await jobs.aclose()
+    await asyncio.sleep(0.05)
+    assert await redis.get(presence) is None  # lapsed at once, not after the TTL
+    await redis.aclose()
+
+
+async def _equals(awaitable, expected) -> bool:
+    return await awaitable == expected
+
+
+async def test_a_cancel_the_stalled_queue_missed_lands_once_it_is_back(tmp_path) -> None:
+    server = RedisServer(tmp_path / "redis.log")
+    server.start()
+    # Replies later than this fail the call, as a gateway's client fails them (10 s).
+    client = aioredis.Redis.from_url(
+        server.url, decode_responses=True, socket_timeout=0.5, socket_connect_timeout=0.5
+    )
+    try:
+        backend = RedisBackend(client)
+        await backend.configure_tiers(TIERS)
+        jobs = JobClient(backend, keep_every_s=0.1)
+        await jobs.submit_and_wait(build_job(job_id="stalled", tier="interactive"))
+        server.pause()
+        try:
+            with pytest.raises(BackendUnavailableError):
+                await jobs.cancel("stalled")
+            assert jobs.num_pending_cancels == 1
+            await asyncio.sleep(1.0)  # rounds go by while Redis stands still
+        finally:
+            server.resume()
+        took_s = await _until(
+            lambda: _equals(backend.job_status("stalled"), JobStatus.CANCELLED), 5.0
+        )
+        print(f"the deferred cancel landed {took_s * 1000:.0f} ms after Redis was back")
+        assert jobs.num_pending_cancels == 0
+        await jobs.aclose()
+    finally:
+        await client.aclose()
+        server.stop()
+
+
+async def test_a_request_waiting_on_a_fleet_without_workers_gets_no_capacity() -> None:
+    queue = MemoryBackend(TIERS)
+    jobs = JobClient(queue, keep_every_s=0.05, no_worker_ms=300)
+    waited = await jobs.submit_and_wait(build_job(job_id="waited", tier="interactive"))
+    line = jobs.submit(build_job(job_id="line", tier="interactive"))  # a Batch API line
+    started_s = time.monotonic()
+    with pytest.raises(NoCapacityError):
+        async for _ in waited:
+            pass
+    took_s = time.monotonic() - started_s
+    assert 0.3 <= took_s < 2.0
+    await _until(lambda: _equals(queue.job_status("waited"), JobStatus.CANCELLED), 2.0)
+    # A batch line waits for a worker, however long.
+    assert await queue.job_status("line") is JobStatus.QUEUED
+    assert not line._ended
+    await jobs.aclose()
+
+
+async def test_a_live_worker_keeps_waiting_requests_waiting() -> None:
+    queue = MemoryBackend(TIERS)
+    jobs = JobClient(queue, keep_every_s=0.05, no_worker_ms=300)
+    await queue.publish_capacity(
+        "w1", prefill_tokens_per_s=1.0, decode_tokens_per_s=1.0, ttl_ms=60_000
+    )
+    waiting = await jobs.submit_and_wait(build_job(job_id="waiting", tier="interactive"))
+    await asyncio.sleep(0.8)
+    assert not waiting._ended
+    assert await queue.job_status("waiting") is JobStatus.QUEUED
+    # The worker goes (its report lapses): the grace counts from then, not from the
+    # request's arrival.
+    await queue.publish_capacity("w1", prefill_tokens_per_s=1.0, decode_tokens_per_s=1.0, ttl_ms=1)
+    started_s = time.monotonic()
+    with pytest.raises(NoCapacityError):
+        async for _ in waiting:
+            pass
+    assert time.monotonic() - started_s >= 0.3
+    await jobs.aclose()
