@@ -234,6 +234,10 @@ def test_dashboard_shows_live_data_and_edits_a_tier(
         # The change takes effect: new interactive requests now miss their SLO (served
         # late, or refused up front as unattainable), which the dashboard shows.
         time.sleep(1.5)  # telemetry re-reads the tier SLOs every second
+        # The page shows what its last poll brought: wait for a poll made after the
+        # change took effect, or requests met before it still arrive after this read.
+        seen = browser.evaluate(_requests_total("interactive"))
+        browser.wait_for(f"{_requests_total('interactive')} > {seen}", 30)
         met_before = browser.evaluate(_met_total("interactive"))
         requests_before = browser.evaluate(_requests_total("interactive"))
         try:
