@@ -135,11 +135,12 @@ def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
 
 
 def _is_finite_number(value: object) -> bool:
-    return (
-        isinstance(value, int | float)
-        and not isinstance(value, bool)
-        and math.isfinite(float(value))
-    )
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an integer beyond float's range
+        return False
 
 
 @dataclass(frozen=True)

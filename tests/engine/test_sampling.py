@@ -166,6 +166,8 @@ def test_penalties_apply_per_row() -> None:
         ({"frequency_penalty": float("nan")}, "frequency_penalty"),
         ({"frequency_penalty": "1"}, "frequency_penalty"),
         ({"logit_bias": {5: 101}}, "logit_bias"),
+        ({"logit_bias": {5: 10**400}}, "logit_bias"),
+        ({"presence_penalty": 10**400}, "presence_penalty"),
         ({"logit_bias": {-1: 1}}, "logit_bias"),
         ({"logit_bias": {True: 1}}, "logit_bias"),
         ({"logit_bias": [[1, 2, 3]]}, "logit_bias"),
