@@ -25,10 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import socket
 import time
-import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -38,7 +35,7 @@ from engine.request import Priority, SamplingParams, TokenLogprob
 from scheduler.backend import WORKER_DETAIL_TYPES, BackendUnavailableError, QueueBackend
 from scheduler.job import Job
 from scheduler.logprobs import encode_logprobs
-from scheduler.results import ENGINE_ERROR, INVALID_REQUEST
+from scheduler.results import ENGINE_ERROR, INVALID_REQUEST, process_instance_id
 
 log = logging.getLogger(__name__)
 
@@ -91,11 +88,6 @@ class DispatcherConfig:
             raise ValueError("capacity_ttl_ms must exceed heartbeat_ms")
 
 
-def default_worker_id() -> str:
-    """host-pid-random: unique per process, readable in /admin/v1/queues."""
-    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-
-
 @dataclass
 class _Running:
     job: Job
@@ -125,7 +117,7 @@ class Dispatcher:
     ) -> None:
         self._backend = backend
         self._engine = engine
-        self.worker_id = worker_id or default_worker_id()
+        self.worker_id = worker_id or process_instance_id()
         self._config = config or DispatcherConfig()
         self._running: dict[str, _Running] = {}
         self._wake = asyncio.Event()

@@ -76,8 +76,9 @@ NO_WORKER_MS = 5_000.0
 CLOSE_WAIT_S = 2.0
 
 
-def default_gateway_id() -> str:
-    """host-pid-random: unique per process, and readable in Redis."""
+def process_instance_id() -> str:
+    """host-pid-random: unique per process, and readable in Redis and /admin/v1/queues
+    (a gateway's presence, a worker's id)."""
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
@@ -296,7 +297,7 @@ class JobClient:
         self._backend = backend
         self._poll_ms = poll_ms
         self._on_enqueue = on_enqueue
-        self.gateway_id = gateway_id or default_gateway_id()
+        self.gateway_id = gateway_id or process_instance_id()
         self._keep_every_s = keep_every_s
         self._presence_ttl_ms = presence_ttl_ms
         self._no_worker_s = no_worker_ms / 1000.0

@@ -153,15 +153,13 @@ def _options(data: dict[str, Any], *, chat: bool) -> GenerationOptions:
     for unsupported in _UNSUPPORTED:
         if not _is_unset(data.get(unsupported)):
             raise InvalidRequestError(f"{unsupported} is not supported.", param=unsupported)
-    for unsupported in _NULL_ONLY:
-        if data.get(unsupported) is not None:
-            raise InvalidRequestError(f"{unsupported} is not supported.", param=unsupported)
     # Fields that only have their default here: anything else would be silently ignored.
     for name, defaults in _DEFAULT_ONLY.items():
         value = data.get(name)
         if value is not None and not any(_same_json(value, d) for d in defaults):
             allowed = " or ".join(repr(d) for d in defaults)
-            raise InvalidRequestError(f"{name} is not supported except as {allowed}.", param=name)
+            but = f" except as {allowed}" if defaults else ""
+            raise InvalidRequestError(f"{name} is not supported{but}.", param=name)
     return GenerationOptions(
         model=model,
         max_tokens=max_tokens,
@@ -196,11 +194,13 @@ _UNSUPPORTED = (
     "guided_choice",
     "guided_grammar",
 )
-# Fields where even an empty object asks for something (web_search_options: {} turns
-# search on): refused unless null.
-_NULL_ONLY = ("audio", "web_search_options", "prediction")
-# Unsupported fields and the values of theirs that ask for nothing (OpenAI's defaults).
+# Unsupported fields and the values of theirs that ask for nothing (OpenAI's defaults);
+# none for those where even an empty object asks for something (web_search_options: {}
+# turns search on).
 _DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
+    "audio": (),
+    "web_search_options": (),
+    "prediction": (),
     "response_format": ({"type": "text"},),
     "suffix": ("",),
     "best_of": (1,),

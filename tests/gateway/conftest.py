@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import secrets
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -23,6 +25,7 @@ import openai
 import pytest
 import uvicorn
 
+ROOT = Path(__file__).resolve().parents[2]
 TEST_MAX_MODEL_LEN = 256
 TEST_MAX_BODY_BYTES = 64 * 1024
 TIERS = ("priority", "interactive", "batch")
@@ -112,6 +115,21 @@ class ServerThread:
         self.server.should_exit = True
         self._thread.join(timeout=60)
         self._socket.close()
+
+
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, timeout_s: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """`tiergate ARGS` in a process of its own, from the checkout; never raises on exit."""
+    return subprocess.run(
+        [sys.executable, "-m", "gateway.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=env,
+        check=False,
+    )
 
 
 def build_test_engine() -> Any:

@@ -16,20 +16,9 @@ import pytest
 from gateway.cli import main, settings_from_args
 from gateway.migrate import current_revision, head_revisions
 from gateway.settings import Settings, SettingsError, settings_from_env
+from tests.gateway.conftest import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _tiergate(*args: str, env: dict[str, str] | None = None, timeout_s: float = 120):
-    return subprocess.run(
-        [sys.executable, "-m", "gateway.cli", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        env=env,
-        check=False,
-    )
 
 
 def test_settings_defaults_env_and_flags(tmp_path: Path) -> None:
@@ -127,7 +116,7 @@ def test_serve_has_a_flag_for_every_setting_of_the_environment(tmp_path: Path) -
 
 
 def test_migrate_upgrades_the_configured_database(database_url: str) -> None:
-    result = _tiergate("migrate", "--database-url", database_url)
+    result = run_cli("migrate", "--database-url", database_url)
     assert result.returncode == 0, result.stderr
     assert current_revision(database_url) == head_revisions()[0]
     assert "newest revision" in result.stdout

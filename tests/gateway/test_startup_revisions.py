@@ -18,21 +18,14 @@ from sqlalchemy import text
 
 from gateway.db.session import create_db_engine
 from gateway.migrate import current_revision, head_revisions, migrate_to, upgrade_to_head
+from tests.gateway.conftest import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {"PATH": "/usr/bin:/bin", "TIERGATE_DEVICE": "cpu"}
 
 
-def _tiergate(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "gateway.cli", *args],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        check=False,
-    )
+def _tiergate(*args: str) -> subprocess.CompletedProcess[str]:
+    return run_cli(*args, env=ENV)
 
 
 def _set_revision(url: str, revision: str) -> None:
