@@ -295,12 +295,14 @@ class Dispatcher:
 
     async def _drive(self, running: _Running) -> None:
         job, backend, worker = running.job, self._backend, self.worker_id
-        ran_out = False  # ended by using all its max_tokens: nothing it held is left over
+        # Whether what the engine held for it is accounted for: it used all its
+        # max_tokens (nothing left over), or its end was reported already.
+        reported = False
         # Every publish below checks this worker still holds the job.
         try:
             remaining = job.params.max_tokens - len(job.resumed_token_ids)
             if remaining <= 0:  # the previous worker streamed everything but the end
-                ran_out = True
+                reported = True
                 await backend.publish_step(
                     job.job_id,
                     worker,
@@ -334,11 +336,11 @@ class Dispatcher:
                         lp for output in batch for lp in getattr(output, "new_logprobs", ())
                     ]
                     if finish_reason is not None:
-                        ran_out = finish_reason == "length"
-                        if not ran_out:
+                        if finish_reason != "length":
                             # Before the client hears of the end, so that its next
                             # request does not meet this job's unused tokens.
                             self._report_capacity_soon()
+                        reported = True
                     if new_ids or text or finish_reason is not None:
                         published = await self._publish_step(
                             running, new_ids, text, finish_reason, logprobs
@@ -375,8 +377,8 @@ class Dispatcher:
         finally:
             self._running.pop(job.job_id, None)
             self._capacity_freed.set()
-            if not ran_out:
-                self._report_capacity_soon()  # coalesces with the one made at the end
+            if not reported:  # cancelled, failed or handed back on the way
+                self._report_capacity_soon()
 
     async def _publish_step(
         self,
