@@ -135,17 +135,23 @@ class Admission:
         return self._jobs.backend
 
     async def reserve(
-        self, principal: Principal, job: Job, *, max_tokens_given: bool = True
+        self,
+        principal: Principal,
+        job: Job,
+        *,
+        num_choices: int = 1,
+        max_tokens_given: bool = True,
     ) -> Reservation:
-        """Take a request and the job's prompt + max_tokens tokens from the tenant's
-        limits, or raise RateLimitedError (429) with the expected wait and the
-        x-ratelimit-* headers (InvalidRequestError, 400, if the job exceeds the whole
-        TPM limit: no wait would help). `max_tokens_given`: whether the client set
-        max_tokens (else the endpoint's default did, which the 400 then says)."""
+        """Take a request and its prompt + num_choices x max_tokens tokens (the prompt
+        is billed once, as OpenAI counts it) from the tenant's limits, or raise
+        RateLimitedError (429) with the expected wait and the x-ratelimit-* headers
+        (InvalidRequestError, 400, if the request exceeds the whole TPM limit: no wait
+        would help). `max_tokens_given`: whether the client set max_tokens (else the
+        endpoint's default did, which the 400 then says)."""
         limits = TenantLimits(
             rpm=principal.rpm, tpm=principal.tpm, max_concurrency=principal.max_concurrency
         )
-        num_tokens = job.num_prompt_tokens + job.params.max_tokens
+        num_tokens = job.num_prompt_tokens + num_choices * job.params.max_tokens
         try:
             reservation = await self._limiter.reserve(
                 principal.tenant_id, limits, num_tokens, hold_ms=self._hold_ms
@@ -153,11 +159,12 @@ class Admission:
             self._hold(reservation)
             return reservation
         except RequestExceedsLimitError as exc:
-            room = (principal.tpm or 0) - job.num_prompt_tokens
+            room = ((principal.tpm or 0) - job.num_prompt_tokens) // num_choices
+            lower_n = "lower n, " if num_choices > 1 else ""
             if room < 1:
-                advice = "Shorten the prompt."
+                advice = "Lower n, or shorten the prompt." if lower_n else "Shorten the prompt."
             elif max_tokens_given:
-                advice = f"Set max_tokens to at most {room}, or shorten the prompt."
+                advice = f"Set max_tokens to at most {room}, {lower_n}or shorten the prompt."
             else:
                 advice = (
                     f"max_tokens was not set, so it defaulted to {job.params.max_tokens} "

@@ -12,6 +12,7 @@ pays for the run that finished, not for the one the gateway broke off.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass, replace
@@ -19,11 +20,16 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from engine.errors import EngineDeadError, EngineError, RequestAbortedError
-from engine.request import TokenLogprob
 from gateway.auth import Principal
 from gateway.errors import GatewayError, InvalidRequestError, error_code, error_response
 from gateway.openai import routes as openai_routes
-from gateway.openai.responses import ResponseShape, Usage
+from gateway.openai.choices import (
+    CollectedChoice,
+    choice_jobs,
+    first_queue_wait_ms,
+    merge_choices,
+)
+from gateway.openai.responses import FinishedChoice, ResponseShape, Usage
 from gateway.openai.schemas import parse_chat_request, parse_completion_request
 from gateway.tiers import TierPolicy
 from gateway.usage import UsageRecord, UsageWriter
@@ -39,6 +45,8 @@ class JobSubmitter(Protocol):
     def submit(self, job: Job) -> Any: ...
 
     async def cancel(self, job_id: str) -> Any: ...
+
+    def cancel_soon(self, job_id: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,8 @@ class LineRunner:
         self._routes = routes
         self._jobs = jobs
         self._usage = usage
+        # Request id -> its choices' job ids, for the lines running with n > 1.
+        self._choice_ids: dict[str, list[str]] = {}
 
     @property
     def model_name(self) -> str:
@@ -93,45 +103,66 @@ class LineRunner:
         chat = endpoint == CHAT_ENDPOINT
         record = _Record(request_id, principal.tenant_id, tier.name, self.model_name, started_s)
         try:
-            job = await self._admit(request_id, principal, tier, body_json, deadline_s, chat=chat)
+            jobs = await self._admit(request_id, principal, tier, body_json, deadline_s, chat=chat)
         except (GatewayError, EngineError) as exc:
             self._finished(record.finish(f"rejected:{error_code(exc)}"))
             return error_outcome(request_id, exc)
-        record.prompt_tokens = job.num_prompt_tokens
-        stream = self._jobs.submit(job)
-        pieces: list[str] = []
-        logprobs: list[TokenLogprob] = []
-        finish_reason: str | None = None
+        record.prompt_tokens = jobs[0].num_prompt_tokens
+        streams = [self._jobs.submit(job) for job in jobs]
+        job_ids = [job.job_id for job in jobs]
+        if len(jobs) > 1:
+            self._choice_ids[request_id] = job_ids
+        choices = [CollectedChoice() for _ in jobs]
+        choice_tokens = [0] * len(jobs)
         try:
-            async for output in stream:
+            async for index, output in merge_choices(streams):
                 if record.first_token_s is None and output.new_token_ids:
                     record.first_token_s = time.monotonic()
                 record.prompt_tokens = output.num_prompt_tokens
-                record.completion_tokens = output.num_output_tokens
-                pieces.append(output.text_delta)
-                logprobs.extend(output.new_logprobs)
+                choice_tokens[index] = output.num_output_tokens
+                record.completion_tokens = sum(choice_tokens)
+                choice = choices[index]
+                choice.pieces.append(output.text_delta)
+                choice.logprobs.extend(output.new_logprobs)
                 if output.finished and output.finish_reason is not None:
-                    finish_reason = str(output.finish_reason)
+                    choice.finish_reason = str(output.finish_reason)
         except (RequestAbortedError, EngineDeadError):
+            self._cancel_choices(job_ids)
             raise  # not the line's outcome (see the module docstring): no record
         except (GatewayError, EngineError) as exc:
-            self._finished(record.finish("error", stream.queue_wait_ms))
+            self._cancel_choices(job_ids)
+            self._finished(record.finish("error", first_queue_wait_ms(streams)))
             return error_outcome(request_id, exc)
-        self._finished(record.finish("ok", stream.queue_wait_ms))
+        except BaseException:
+            self._cancel_choices(job_ids)  # the driver offers the line again
+            raise
+        finally:
+            self._choice_ids.pop(request_id, None)
+        self._finished(record.finish("ok", first_queue_wait_ms(streams)))
         shape = ResponseShape.for_request(
             request_id, model=self.model_name, service_tier=tier.name, chat=chat
         )
         usage = Usage(record.prompt_tokens, record.completion_tokens)
-        writer = None
-        if job.params.logprobs is not None:
-            writer = self._routes.logprobs_writer(chat=chat)
         return LineOutcome(
             200,
             request_id,
-            shape.full("".join(pieces), finish_reason, usage, writer and writer.body(logprobs)),
+            shape.full([self._choice(c, jobs[0], chat=chat) for c in choices], usage),
             record.prompt_tokens,
             record.completion_tokens,
         )
+
+    def _choice(self, choice: CollectedChoice, job: Job, *, chat: bool) -> FinishedChoice:
+        logprobs = None
+        if job.params.logprobs is not None:
+            logprobs = self._routes.logprobs_writer(chat=chat).body(choice.logprobs)
+        return FinishedChoice(choice.text, choice.finish_reason, logprobs)
+
+    def _cancel_choices(self, job_ids: list[str]) -> None:
+        """A line with several choices that ends early stops all of them (one job
+        alone has ended, or is cancelled by whoever stopped it)."""
+        if len(job_ids) > 1:
+            for job_id in job_ids:
+                self._jobs.cancel_soon(job_id)
 
     def _finished(self, record: UsageRecord) -> None:
         """Leave the usage record, and count the line in the metrics and the dashboard
@@ -141,9 +172,13 @@ class LineRunner:
         if telemetry is not None:
             telemetry.request_finished(record)
 
-    def cancel(self, request_id: str) -> Any:
+    async def cancel(self, request_id: str) -> None:
         """Drop a queued line or abort a running one (its run raises RequestAbortedError)."""
-        return self._jobs.cancel(request_id)
+        job_ids = self._choice_ids.get(request_id, [request_id])
+        ends = await asyncio.gather(*map(self._jobs.cancel, job_ids), return_exceptions=True)
+        for end in ends:
+            if isinstance(end, BaseException):
+                raise end
 
     async def _admit(
         self,
@@ -154,7 +189,8 @@ class LineRunner:
         deadline_s: float,
         *,
         chat: bool,
-    ) -> Job:
+    ) -> list[Job]:
+        """The jobs of the line's choices, admitted as the live endpoint admits them."""
         # The live endpoint's own steps, in its order (see gateway.openai.routes._serve).
         body = body_json.encode("utf-8")
         parsed = parse_chat_request(body) if chat else parse_completion_request(body)
@@ -166,13 +202,14 @@ class LineRunner:
         # above the tenant's); an allowed one changes nothing: lines run at the batch's.
         await routes.resolve_tier(principal, options.service_tier)
         routes.check_model(options.model)
+        openai_routes.check_choices(options.n, tier)
         prompt_ids = await routes.prompt_token_ids_off_loop(parsed, len(body))
         params = routes.sampling_params(options, len(prompt_ids), chat=chat)
         job = openai_routes.build_job(
             request_id, principal, tier, prompt_ids, params, time.time(), options
         )
         # The deadline is the batch's (creation + window), not this line's arrival + window.
-        return replace(job, deadline_s=deadline_s)
+        return choice_jobs(replace(job, deadline_s=deadline_s), options.n)
 
 
 @dataclass

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,15 @@ class Usage:
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
         }
+
+
+@dataclass(frozen=True)
+class FinishedChoice:
+    """One choice of a whole response (`logprobs` from gateway.openai.logprobs)."""
+
+    text: str
+    finish_reason: str | None
+    logprobs: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -66,51 +76,47 @@ class ResponseShape:
             "service_tier": self.service_tier,
         }
 
-    def full(
-        self,
-        text: str,
-        finish_reason: str | None,
-        usage: Usage,
-        logprobs: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:
-        """The non-streaming response body (`logprobs` from gateway.openai.logprobs)."""
-        if self.chat:
-            body = self._envelope("chat.completion")
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text, "refusal": None},
-                "logprobs": logprobs,
-                "finish_reason": finish_reason,
-            }
-        else:
-            body = self._envelope("text_completion")
-            choice = {
-                "index": 0,
-                "text": text,
-                "logprobs": logprobs,
-                "finish_reason": finish_reason,
-            }
-        body["choices"] = [choice]
+    def full(self, choices: Sequence[FinishedChoice], usage: Usage) -> dict[str, Any]:
+        """The non-streaming response body, choices in index order."""
+        body = self._envelope("chat.completion" if self.chat else "text_completion")
+        body["choices"] = [self._full_choice(i, c) for i, c in enumerate(choices)]
         body["usage"] = usage.as_dict()
         return body
+
+    def _full_choice(self, index: int, choice: FinishedChoice) -> dict[str, Any]:
+        if self.chat:
+            return {
+                "index": index,
+                "message": {"role": "assistant", "content": choice.text, "refusal": None},
+                "logprobs": choice.logprobs,
+                "finish_reason": choice.finish_reason,
+            }
+        return {
+            "index": index,
+            "text": choice.text,
+            "logprobs": choice.logprobs,
+            "finish_reason": choice.finish_reason,
+        }
 
     def chunk(
         self,
         text_delta: str,
         finish_reason: str | None,
         *,
+        index: int = 0,
         first: bool = False,
         include_usage: bool = False,
         logprobs: dict[str, Any] | None = None,
     ) -> bytes:
-        """One streamed chunk. With include_usage every chunk carries `usage: null`."""
+        """One streamed chunk of choice `index`. With include_usage every chunk carries
+        `usage: null`."""
         if self.chat:
             body = self._envelope("chat.completion.chunk")
             delta: dict[str, Any] = {"role": "assistant", "content": text_delta} if first else {}
             if not first and text_delta:
                 delta["content"] = text_delta
             choice: dict[str, Any] = {
-                "index": 0,
+                "index": index,
                 "delta": delta,
                 "logprobs": logprobs,
                 "finish_reason": finish_reason,
@@ -118,7 +124,7 @@ class ResponseShape:
         else:
             body = self._envelope("text_completion")
             choice = {
-                "index": 0,
+                "index": index,
                 "text": text_delta,
                 "logprobs": logprobs,
                 "finish_reason": finish_reason,

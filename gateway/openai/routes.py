@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol, TypeVar
@@ -42,8 +42,14 @@ from gateway.errors import (
 )
 from gateway.middleware import request_id_of
 from gateway.observability import RequestTimeline, Telemetry
+from gateway.openai.choices import (
+    CollectedChoice,
+    choice_jobs,
+    first_queue_wait_ms,
+    merge_choices,
+)
 from gateway.openai.logprobs import LogprobsWriter, TokenTexts
-from gateway.openai.responses import SSE_DONE, ResponseShape, Usage
+from gateway.openai.responses import SSE_DONE, FinishedChoice, ResponseShape, Usage
 from gateway.openai.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -113,21 +119,35 @@ class _Exchange:
     model: str
     started_s: float  # monotonic
     num_prompt_tokens: int = 0
-    num_completion_tokens: int = 0
+    # Each choice's output tokens so far; a request has one choice per job.
+    choice_tokens: list[int] = field(default_factory=lambda: [0])
     first_token_s: float | None = None
-    stream: JobStream | None = None
+    streams: list[JobStream] = field(default_factory=list)  # one per choice
     # The exchange is created right after authentication, so this marks its end.
     authenticated_s: float = field(default_factory=time.monotonic)
     last_token_s: float | None = None
     is_stream: bool = False
     reservation: Reservation | None = None
 
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(self.choice_tokens)
+
+    @property
+    def job_ids(self) -> list[str]:
+        return [stream.job.job_id for stream in self.streams]
+
+    def _dispatched_s(self) -> float | None:
+        # The request's work began when its first choice left the queue.
+        started = [s.dispatched_s for s in self.streams if s.dispatched_s is not None]
+        return min(started, default=None)
+
     def timeline(self) -> RequestTimeline:
         return RequestTimeline(
             started_s=self.started_s,
             authenticated_s=self.authenticated_s,
-            enqueued_s=self.stream.enqueued_s if self.stream else None,
-            dispatched_s=self.stream.dispatched_s if self.stream else None,
+            enqueued_s=self.streams[0].enqueued_s if self.streams else None,
+            dispatched_s=self._dispatched_s(),
             first_token_s=self.first_token_s,
             last_token_s=self.last_token_s,
             finished_s=time.monotonic(),
@@ -146,7 +166,7 @@ class _Exchange:
             model=self.model,
             prompt_tokens=self.num_prompt_tokens,
             completion_tokens=self.num_completion_tokens,
-            queue_wait_ms=self.stream.queue_wait_ms if self.stream else None,
+            queue_wait_ms=first_queue_wait_ms(self.streams),
             ttft_ms=ttft_ms,
             e2e_ms=(now - self.started_s) * 1000.0,
             outcome=outcome,
@@ -209,12 +229,17 @@ class OpenAIRoutes:
             tier = await self.resolve_tier(principal, options.service_tier)
             exchange.tier = tier.name
             self.check_model(options.model)
+            check_choices(options.n, tier)
             prompt_ids = await self.prompt_token_ids_off_loop(parsed, len(body))
             exchange.num_prompt_tokens = len(prompt_ids)
             params = self.sampling_params(options, len(prompt_ids), chat=chat)
             job = build_job(request_id, principal, tier, prompt_ids, params, arrival_s, options)
+            exchange.choice_tokens = [0] * options.n
             headers = await self._admit(
-                exchange, job, tier, max_tokens_given=options.max_tokens is not None
+                exchange,
+                choice_jobs(job, options.n),
+                tier,
+                max_tokens_given=options.max_tokens is not None,
             )
         except ClientDisconnect:
             self._finish(exchange, "aborted")  # gone before its body arrived
@@ -225,62 +250,93 @@ class OpenAIRoutes:
         shape = ResponseShape.for_request(
             request_id, model=self.deps.model.model_name, service_tier=tier.name, chat=chat
         )
-        outputs = exchange.stream.__aiter__()
+        outputs = merge_choices(exchange.streams)
         try:
             if options.stream:
                 # Wait for the first output before answering, so that an error raised
                 # before any token (engine refusal, shutdown) still gets its status code.
                 first = await self._unless_disconnected(request, _next_or_none(outputs))
             else:
-                text, finish_reason, logprobs = await self._unless_disconnected(
+                collected = await self._unless_disconnected(
                     request, self._collect(exchange, outputs)
                 )
         except ClientDisconnectedError:
             await self._finish_aborted(exchange)
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         except QueueTimeoutError as exc:
-            # Refused, not failed: dropped unserved after the tier's queue limit.
+            # Refused, not failed: dropped unserved after the tier's queue limit. Other
+            # choices of the request may have started: they stop too.
+            self._cancel_soon(exchange.job_ids[1:])
             self._finish(exchange, f"rejected:{error_code(exc)}")
             if self.deps.admission is None:
                 raise
             raise await self.deps.admission.queue_timeout_refusal(exc, job, tier, headers) from exc
         except Exception:
-            # Answered with an error: the job must not run on for nobody.
-            self.deps.dispatcher.cancel_soon(exchange.request_id)
+            # Answered with an error: the jobs must not run on for nobody.
+            self._cancel_soon(exchange.job_ids)
             self._finish(exchange, "error")
             raise
-        writer = None if options.logprobs is None else self.logprobs_writer(chat=chat)
         if options.stream:
             exchange.is_stream = True
             return StreamingResponse(
-                self._stream(exchange, shape, first, outputs, options.include_usage, writer),
+                self._stream(exchange, shape, first, outputs, options),
                 media_type="text/event-stream",
                 headers={"cache-control": "no-cache", **headers},
             )
         self._finish(exchange, "ok")
         usage = Usage(exchange.num_prompt_tokens, exchange.num_completion_tokens)
-        body = shape.full(text, finish_reason, usage, writer and writer.body(logprobs))
-        return JSONResponse(body, headers=headers)
+        choices = [self._finished_choice(c, options, chat=chat) for c in collected]
+        return JSONResponse(shape.full(choices, usage), headers=headers)
+
+    def _finished_choice(
+        self, choice: CollectedChoice, options: GenerationOptions, *, chat: bool
+    ) -> FinishedChoice:
+        writer = self._writer(options, chat=chat)
+        logprobs = writer and writer.body(choice.logprobs)
+        return FinishedChoice(choice.text, choice.finish_reason, logprobs)
 
     async def _admit(
-        self, exchange: _Exchange, job: Job, tier: TierPolicy, *, max_tokens_given: bool
+        self, exchange: _Exchange, jobs: list[Job], tier: TierPolicy, *, max_tokens_given: bool
     ) -> dict[str, str]:
-        """Rate limits, SLO admission, enqueue; returns the x-ratelimit-* headers."""
+        """Rate limits, SLO admission, enqueue of each choice's job; returns the
+        x-ratelimit-* headers. One refusal refuses the request: choices already queued
+        are cancelled."""
         admission = self.deps.admission
         if admission is None:
-            exchange.stream = await self.deps.dispatcher.submit_and_wait(job)
+            await self._enqueue_all(exchange, jobs, self.deps.dispatcher.submit_and_wait)
             return {}
         reservation = await admission.reserve(
-            exchange.principal, job, max_tokens_given=max_tokens_given
+            exchange.principal, jobs[0], num_choices=len(jobs), max_tokens_given=max_tokens_given
         )
         headers = reservation.status.headers()
         try:
-            exchange.stream = await admission.enqueue(job, tier, headers=headers)
+            await self._enqueue_all(
+                exchange, jobs, lambda job: admission.enqueue(job, tier, headers=headers)
+            )
         except BaseException:
             admission.release_soon(reservation, 0)
             raise
         exchange.reservation = reservation
         return headers
+
+    async def _enqueue_all(
+        self,
+        exchange: _Exchange,
+        jobs: list[Job],
+        enqueue: Callable[[Job], Awaitable[JobStream]],
+    ) -> None:
+        streams: list[JobStream] = []
+        try:
+            for job in jobs:
+                streams.append(await enqueue(job))
+        except BaseException:
+            self._cancel_soon([stream.job.job_id for stream in streams])
+            raise
+        exchange.streams = streams
+
+    def _cancel_soon(self, job_ids: list[str]) -> None:
+        for job_id in job_ids:
+            self.deps.dispatcher.cancel_soon(job_id)
 
     async def resolve_tier(self, principal: Principal, requested: str | None) -> TierPolicy:
         if requested is None or requested in OWN_TIER_ALIASES or requested == principal.tier.name:
@@ -402,18 +458,17 @@ class OpenAIRoutes:
         )
 
     async def _collect(
-        self, exchange: _Exchange, outputs: AsyncIterator[Any]
-    ) -> tuple[str, str | None, list[TokenLogprob]]:
-        pieces: list[str] = []
-        logprobs: list[TokenLogprob] = []
-        finish_reason: str | None = None
-        async for output in outputs:
-            self._account(exchange, output)
-            pieces.append(output.text_delta)
-            logprobs.extend(output.new_logprobs)
+        self, exchange: _Exchange, outputs: AsyncIterator[tuple[int, Any]]
+    ) -> list[CollectedChoice]:
+        choices = [CollectedChoice() for _ in exchange.choice_tokens]
+        async for index, output in outputs:
+            self._account(exchange, index, output)
+            choice = choices[index]
+            choice.pieces.append(output.text_delta)
+            choice.logprobs.extend(output.new_logprobs)
             if output.finished:
-                finish_reason = _finish_reason(output)
-        return "".join(pieces), finish_reason, logprobs
+                choice.finish_reason = _finish_reason(output)
+        return choices
 
     def logprobs_writer(self, *, chat: bool) -> LogprobsWriter:
         """A response's logprobs objects (the token texts are shared by every response)."""
@@ -425,35 +480,44 @@ class OpenAIRoutes:
         self,
         exchange: _Exchange,
         shape: ResponseShape,
-        first: Any,
-        outputs: AsyncIterator[Any],
-        include_usage: bool,
-        writer: LogprobsWriter | None = None,
+        first: tuple[int, Any] | None,
+        outputs: AsyncIterator[tuple[int, Any]],
+        options: GenerationOptions,
     ) -> AsyncIterator[bytes]:
         outcome = "aborted"
-        # Log-probabilities of tokens whose text is held back wait for the next chunk.
-        logprobs: list[TokenLogprob] = []
+        include_usage = options.include_usage
+        num_choices = len(exchange.choice_tokens)
+        writers = [self._writer(options, chat=shape.chat) for _ in range(num_choices)]
+        # Log-probabilities of tokens whose text is held back wait for the next chunk of
+        # their choice.
+        pending: list[list[TokenLogprob]] = [[] for _ in range(num_choices)]
         try:
             if shape.chat:
-                yield shape.chunk("", None, first=True, include_usage=include_usage)
-            output = first
-            while output is not None:
-                self._account(exchange, output, is_streamed=True)
-                logprobs.extend(output.new_logprobs)
+                for index in range(num_choices):
+                    yield shape.chunk(
+                        "", None, index=index, first=True, include_usage=include_usage
+                    )
+            item = first
+            while item is not None:
+                index, output = item
+                self._account(exchange, index, output, is_streamed=True)
+                pending[index].extend(output.new_logprobs)
                 finish_reason = _finish_reason(output) if output.finished else None
                 if output.text_delta or finish_reason is not None:
                     if exchange.first_token_s is None:
                         # TTFT ends when the first token is sent: a token whose text is
                         # held back (part of a character, a possible stop string) is not.
                         exchange.first_token_s = time.monotonic()
+                    writer = writers[index]
                     yield shape.chunk(
                         output.text_delta,
                         finish_reason,
+                        index=index,
                         include_usage=include_usage,
-                        logprobs=writer and writer.body(logprobs),
+                        logprobs=writer and writer.body(pending[index]),
                     )
-                    logprobs = []
-                output = await _next_or_none(outputs)
+                    pending[index] = []
+                item = await _next_or_none(outputs)
             if include_usage:
                 yield shape.usage_chunk(
                     Usage(exchange.num_prompt_tokens, exchange.num_completion_tokens)
@@ -468,25 +532,31 @@ class OpenAIRoutes:
             yield b"data: " + error_response(exc).body + b"\n\n"
         finally:
             # The server cancels this generator when the client goes away; the clean-up
-            # must still run (job cancelled, reservation released), so it is shielded.
+            # must still run (jobs cancelled, reservation released), so it is shielded.
             with anyio.CancelScope(shield=True):
                 if outcome == "aborted":
                     await self._cancel_quietly(exchange)
                 elif outcome == "error":
-                    # The error event is sent: the job must not run on for nobody. In
+                    # The error event is sent: the jobs must not run on for nobody. In
                     # the background, so a hung queue does not hold the stream's end.
-                    self.deps.dispatcher.cancel_soon(exchange.request_id)
+                    self._cancel_soon(exchange.job_ids)
                 self._finish(exchange, outcome)
 
-    def _account(self, exchange: _Exchange, output: Any, *, is_streamed: bool = False) -> None:
-        """Counts and token times of one output; a stream marks its first token where it
-        sends it (see _stream), a full response at the first token made."""
+    def _writer(self, options: GenerationOptions, *, chat: bool) -> LogprobsWriter | None:
+        return None if options.logprobs is None else self.logprobs_writer(chat=chat)
+
+    def _account(
+        self, exchange: _Exchange, index: int, output: Any, *, is_streamed: bool = False
+    ) -> None:
+        """Counts and token times of one output of choice `index`; a stream marks its
+        first token where it sends it (see _stream), a full response at the first token
+        made."""
         if output.new_token_ids:
             exchange.last_token_s = time.monotonic()
             if exchange.first_token_s is None and not is_streamed:
                 exchange.first_token_s = exchange.last_token_s
         exchange.num_prompt_tokens = output.num_prompt_tokens
-        exchange.num_completion_tokens = output.num_output_tokens
+        exchange.choice_tokens[index] = output.num_output_tokens
 
     def _finish(self, exchange: _Exchange, outcome: str) -> None:
         """Leave the request's usage record and report it to telemetry (once per request)."""
@@ -506,12 +576,15 @@ class OpenAIRoutes:
         self._finish(exchange, "aborted")
 
     async def _cancel_quietly(self, exchange: _Exchange) -> None:
-        """Cancel the job of a client that went away. Nobody is left to answer, so a
+        """Cancel the jobs of a client that went away. Nobody is left to answer, so a
         queue that cannot be reached is logged (the dispatcher tries again later)."""
+        await asyncio.gather(*(self._cancel_job_quietly(job_id) for job_id in exchange.job_ids))
+
+    async def _cancel_job_quietly(self, job_id: str) -> None:
         try:
-            await self.deps.dispatcher.cancel(exchange.request_id)
+            await self.deps.dispatcher.cancel(job_id)
         except Exception as exc:
-            log.warning("request %s: could not cancel its job: %r", exchange.request_id, exc)
+            log.warning("request %s: could not cancel its job: %r", job_id, exc)
 
     async def _unless_disconnected(self, request: Request, work: Awaitable[T]) -> T:
         """Await work, but give up (ClientDisconnectedError) if the client disconnects.
@@ -560,6 +633,17 @@ async def _next_or_none(outputs: AsyncIterator[Any]) -> Any:
 def _finish_reason(output: Any) -> str | None:
     reason = output.finish_reason
     return None if reason is None else str(reason)
+
+
+def check_choices(n: int, tier: TierPolicy) -> None:
+    """A 400 for more choices than the tier's queue can ever hold: each is a job, so
+    such a request would be refused as queue_full however long the client waited."""
+    cap = tier.max_queued_jobs
+    if cap is not None and n > cap:
+        raise InvalidRequestError(
+            f"n={n} is more choices than the {tier.name!r} tier queues at once ({cap}).",
+            param="n",
+        )
 
 
 def build_job(

@@ -21,6 +21,7 @@ MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2]
 MAX_LOGIT_BIAS = 100.0
 # Each entry costs every step of the request a little; OpenAI's limit.
 MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_CHOICES = 128  # OpenAI's bound on `n`
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
@@ -42,6 +43,7 @@ class GenerationOptions:
     # None: no log-probabilities; n: each token's with the n most likely (chat's
     # top_logprobs, or the text endpoint's logprobs).
     logprobs: int | None
+    n: int  # choices to generate, each its own job (see gateway.openai.choices)
     stream: bool
     include_usage: bool
     user: str | None
@@ -131,9 +133,7 @@ def _options(data: dict[str, Any], *, chat: bool) -> GenerationOptions:
     top_p = _number(data, "top_p", default=1.0)
     if not 0.0 < top_p <= 1.0:
         raise InvalidRequestError("top_p must be greater than 0 and at most 1.", param="top_p")
-    n = _optional(data, "n", int)
-    if n is not None and n != 1:
-        raise InvalidRequestError("Only n=1 is supported.", param="n")
+    n = _choices(data)
     stream = _optional(data, "stream", bool) or False
     include_usage = False
     stream_options = _optional(data, "stream_options", dict)
@@ -172,6 +172,7 @@ def _options(data: dict[str, Any], *, chat: bool) -> GenerationOptions:
         logit_bias=_logit_bias(data),
         top_k=_top_k(data),
         logprobs=_chat_logprobs(data) if chat else _completion_logprobs(data),
+        n=n,
         stream=stream,
         include_usage=include_usage,
         user=_optional(data, "user", str),
@@ -203,13 +204,27 @@ _DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "prediction": (),
     "response_format": ({"type": "text"},),
     "suffix": ("",),
-    "best_of": (1,),
     "tool_choice": ("none",),
     "function_call": ("none",),
     "modalities": (["text"],),
 }
 MAX_COMPLETION_LOGPROBS = 5  # the text endpoint's cap
 MAX_TOP_LOGPROBS = 20  # chat's
+
+
+def _choices(data: dict[str, Any]) -> int:
+    """`n`, and `best_of` where it asks for no more than n (nothing is ranked here)."""
+    n = _optional(data, "n", int)
+    n = 1 if n is None else n
+    if not 1 <= n <= MAX_CHOICES:
+        raise InvalidRequestError(f"n must be between 1 and {MAX_CHOICES}.", param="n")
+    best_of = _optional(data, "best_of", int)
+    if best_of is not None and best_of != n:
+        # best_of > n would generate more and return the most likely n: not done here.
+        raise InvalidRequestError(
+            f"best_of is not supported except equal to n ({n}).", param="best_of"
+        )
+    return n
 
 
 def _completion_logprobs(data: dict[str, Any]) -> int | None:

@@ -211,6 +211,34 @@ async def test_removing_the_cap_lets_the_queue_grow(
         assert len(await asyncio.gather(*queued)) == 3 * CAP + 1
 
 
+async def test_choices_past_the_cap_are_refused_whole(
+    cap_server: CapServer, capped_tenant: tuple[openai.AsyncOpenAI, str]
+) -> None:
+    """n choices are n jobs: when the cap takes only some, none stays queued; more
+    choices than the cap can ever hold are a 400, not a 429 no wait would cure."""
+    client, tier = capped_tenant
+    args = {"model": "tiny-random", "prompt": PROMPT, "max_tokens": 4}
+    with pytest.raises(openai.BadRequestError) as too_many:
+        await client.completions.create(**args, n=CAP + 1)
+    assert too_many.value.param == "n"
+    async with cap_server.admin() as admin:
+        cap_server.engine.is_paused = True
+        try:
+            first = asyncio.create_task(client.completions.create(**args))
+            await _until_queued(admin, tier, 1)
+            with pytest.raises(openai.RateLimitError) as refused:
+                await client.completions.create(**args, n=CAP)  # one fits, one does not
+            assert refused.value.code == "queue_full"
+            await asyncio.sleep(0.2)
+            await _until_queued(admin, tier, 1)  # the choice queued first left again
+        finally:
+            cap_server.engine.is_paused = False
+        await first
+        fits = await client.completions.create(**args, n=CAP)
+        assert [c.index for c in fits.choices] == list(range(CAP))
+        assert await _queued(admin, tier) == 0
+
+
 def _assert_retry_after(refused: openai.RateLimitError) -> float:
     """The 429's wait: present in both headers, consistent, and plausible; in seconds."""
     headers = refused.response.headers

@@ -1,0 +1,100 @@
+"""The `n` choices of one request: one job per choice, and their outputs merged.
+
+A request asking for n > 1 choices runs as n jobs of the same tenant and tier, queued
+one after another: the fair share charges each job for the work it does, SLO admission
+sees each behind the ones before it, and the engine batches them like any other work.
+Choice 0 keeps the request id as its job id, so a request with n = 1 is unchanged, and
+choice i of a seeded request samples with seed + i (wrapped to 64 bits): the choices
+differ, and each one is reproducible on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterable, AsyncIterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
+
+from engine.request import SamplingParams, TokenLogprob
+from scheduler.job import Job
+
+T = TypeVar("T")
+
+
+def choice_job_id(request_id: str, index: int) -> str:
+    return request_id if index == 0 else f"{request_id}.{index}"
+
+
+def choice_jobs(job: Job, n: int) -> list[Job]:
+    """The jobs of a request's n choices; `job` is choice 0."""
+    return [job] + [
+        replace(job, job_id=choice_job_id(job.job_id, i), params=_choice_params(job.params, i))
+        for i in range(1, n)
+    ]
+
+
+def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    if params.seed is None:
+        return params
+    # Signed 64-bit, as the seed field takes: seed + index wraps at the end of the range.
+    seed = (params.seed + index + 2**63) % 2**64 - 2**63
+    return replace(params, seed=seed)
+
+
+@dataclass
+class CollectedChoice:
+    """One choice of a non-streamed response, gathered output by output."""
+
+    pieces: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+
+def first_queue_wait_ms(streams: Sequence[Any]) -> float | None:
+    """A request's queue wait: its work began when its first choice left the queue."""
+    waits = [s.queue_wait_ms for s in streams if s.queue_wait_ms is not None]
+    return min(waits, default=None)
+
+
+_DONE = object()
+
+
+async def merge_choices(streams: Sequence[AsyncIterable[T]]) -> AsyncIterator[tuple[int, T]]:
+    """(choice index, output) from every stream, in the order the outputs arrive.
+
+    The first error of any stream is raised at once; the caller cancels the other
+    choices' jobs (their streams then end). Closing the iterator stops its readers.
+    """
+    if len(streams) == 1:  # no reader task: the common case costs what it did
+        async for output in streams[0]:
+            yield 0, output
+        return
+    arrived: asyncio.Queue[tuple[int, Any, BaseException | object | None]] = asyncio.Queue()
+
+    async def read(index: int, stream: AsyncIterable[T]) -> None:
+        try:
+            async for output in stream:
+                arrived.put_nowait((index, output, None))
+        except Exception as exc:
+            arrived.put_nowait((index, None, exc))
+        else:
+            arrived.put_nowait((index, None, _DONE))
+
+    readers = [asyncio.create_task(read(i, s)) for i, s in enumerate(streams)]
+    try:
+        open_streams = len(streams)
+        while open_streams:
+            index, output, end = await arrived.get()
+            if end is _DONE:
+                open_streams -= 1
+            elif isinstance(end, BaseException):
+                raise end
+            else:
+                yield index, output
+    finally:
+        for reader in readers:
+            reader.cancel()

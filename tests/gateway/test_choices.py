@@ -1,0 +1,317 @@
+"""`n` choices through the official openai client against a live server, on the
+in-memory queue and on Redis: each choice is the seeded single request it stands for,
+streamed equals whole, usage bills the prompt once, TPM counts every choice, a client
+that hangs up stops every choice, and Batch API lines take `n` too."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from sqlalchemy import select
+
+from gateway.db.models import UsageRow
+from gateway.db.session import create_db_engine, create_sessionmaker
+from gateway.openai.choices import choice_job_id, choice_jobs, merge_choices
+from tests.conftest import REDIS_URL
+from tests.fleet_processes import delete_redis_prefix
+from tests.gateway.conftest import ServerThread, build_test_engine
+
+MODEL = "tiny-random"
+MESSAGES = [{"role": "user", "content": "Name three colours."}]
+
+
+@dataclass
+class ChoiceServer:
+    base_url: str
+    admin_token: str
+    database_url: str
+    engine: Any
+    key: str = ""
+
+    def client(self, key: str | None = None) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=f"{self.base_url}/v1", api_key=key or self.key, max_retries=0, timeout=60
+        )
+
+    def admin(self) -> httpx.Client:
+        return httpx.Client(
+            base_url=f"{self.base_url}/admin/v1",
+            headers={"authorization": f"Bearer {self.admin_token}"},
+            timeout=30,
+        )
+
+    def new_key(self, tier: str = "interactive", **limits: int) -> str:
+        with self.admin() as admin:
+            name = f"choices-{uuid.uuid4().hex[:8]}"
+            tenant = admin.post("/tenants", json={"name": name, "tier": tier, **limits})
+            tenant.raise_for_status()
+            key = admin.post(f"/tenants/{tenant.json()['id']}/keys", json={})
+            key.raise_for_status()
+            return key.json()["secret"]
+
+
+@pytest.fixture(scope="module", params=["memory", "redis"])
+def server(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[ChoiceServer]:
+    from gateway.app import build_app
+    from gateway.settings import Settings
+
+    prefix = f"{{tgchoices-{uuid.uuid4().hex[:10]}}}:"
+    redis_url = REDIS_URL if request.param == "redis" else None
+    data_dir: Path = tmp_path_factory.mktemp("choices-data")
+    settings = Settings(
+        data_dir=data_dir,
+        redis_url=redis_url,
+        redis_prefix=prefix,
+        admin_token=secrets.token_urlsafe(24),
+        model=MODEL,
+        device="cpu",
+        usage_flush_interval_s=0.05,
+    )
+    engine = build_test_engine()
+    thread = ServerThread(build_app(settings, engine=engine))
+    thread.start()
+    served = ChoiceServer(
+        f"http://127.0.0.1:{thread.port}",
+        settings.admin_token or "",
+        settings.db_url,
+        engine,
+    )
+    try:
+        served.key = served.new_key()
+        yield served
+    finally:
+        thread.stop()
+        if redis_url is not None:
+            delete_redis_prefix(REDIS_URL, prefix)
+
+
+def test_each_choice_is_the_seeded_single_request(server: ChoiceServer) -> None:
+    client = server.client()
+    args = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 1.0}
+    whole = client.completions.create(**args, n=3, seed=7)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    singles = [client.completions.create(**args, seed=7 + i) for i in range(3)]
+    for choice, single in zip(whole.choices, singles, strict=True):
+        assert choice.text == single.choices[0].text
+        assert choice.finish_reason == single.choices[0].finish_reason
+    assert len({c.text for c in whole.choices}) > 1, "the choices should differ"
+    # The prompt is billed once; the completion tokens of every choice add up.
+    assert whole.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    assert whole.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+
+
+def test_a_seed_at_the_end_of_the_range_wraps(server: ChoiceServer) -> None:
+    client = server.client()
+    args = {"model": MODEL, "prompt": "Hello", "max_tokens": 6, "temperature": 1.0}
+    whole = client.completions.create(**args, n=2, seed=2**63 - 1)
+    wrapped = client.completions.create(**args, seed=-(2**63))
+    assert whole.choices[1].text == wrapped.choices[0].text
+
+
+def test_streamed_chat_choices_match_the_whole_reply(server: ChoiceServer) -> None:
+    client = server.client()
+    args = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "max_tokens": 10,
+        "temperature": 1.2,
+        "seed": 11,
+        "n": 3,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    whole = client.chat.completions.create(**args)
+    chunks = list(
+        client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True})
+    )
+    *body, last = chunks
+    texts: dict[int, str] = {}
+    roles: dict[int, str] = {}
+    finishes: dict[int, list[str]] = {}
+    tokens: dict[int, list[str]] = {}
+    for chunk in body:
+        assert chunk.usage is None
+        (choice,) = chunk.choices
+        if choice.index not in roles:  # each choice opens with its role
+            assert choice.delta.role == "assistant"
+            roles[choice.index] = choice.delta.role
+        texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+        if choice.finish_reason is not None:
+            finishes.setdefault(choice.index, []).append(choice.finish_reason)
+        if choice.logprobs is not None:
+            tokens.setdefault(choice.index, []).extend(t.token for t in choice.logprobs.content)
+    assert sorted(texts) == [0, 1, 2]
+    for choice in whole.choices:
+        assert texts[choice.index] == choice.message.content
+        assert finishes[choice.index] == [choice.finish_reason]
+        assert tokens[choice.index] == [t.token for t in choice.logprobs.content]
+    assert last.choices == []
+    assert last.usage.prompt_tokens == whole.usage.prompt_tokens
+    assert last.usage.completion_tokens == whole.usage.completion_tokens
+    assert whole.usage.completion_tokens == sum(len(c.logprobs.content) for c in whole.choices)
+
+
+def test_choices_leave_one_usage_record(server: ChoiceServer) -> None:
+    raw = server.client().completions.with_raw_response.create(
+        model=MODEL, prompt="Count", max_tokens=5, n=4, temperature=1.0
+    )
+    reply = raw.parse()
+    request_id = raw.headers["x-request-id"]
+    rows = _wait_for_rows(server.database_url, [request_id])
+    assert len(rows) == 1
+    assert rows[0].outcome == "ok"
+    assert rows[0].prompt_tokens == reply.usage.prompt_tokens
+    assert rows[0].completion_tokens == reply.usage.completion_tokens
+    if all(c.finish_reason == "length" for c in reply.choices):
+        assert reply.usage.completion_tokens == 4 * 5
+
+
+def test_tpm_reserves_max_tokens_for_every_choice(server: ChoiceServer) -> None:
+    client = server.client(server.new_key(tpm=60))
+    args = {"model": MODEL, "prompt": "hi", "max_tokens": 20}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(**args, n=4)  # 4 x 20 + the prompt > 60
+    assert refused.value.code == "exceeds_token_limit"
+    assert "lower n" in refused.value.message
+    assert len(client.completions.create(**args, n=2).choices) == 2  # 2 x 20 + prompt fits
+
+
+def test_a_client_gone_mid_stream_stops_every_choice(server: ChoiceServer) -> None:
+    headers = {"authorization": f"Bearer {server.key}"}
+    body = {
+        "model": MODEL,
+        "prompt": "go",
+        "max_tokens": 240,
+        "temperature": 1,
+        "n": 3,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST", f"{server.base_url}/v1/completions", headers=headers, json=body, timeout=60
+    ) as response:
+        assert response.status_code == 200
+        request_id = response.headers["x-request-id"]
+        next(response.iter_lines())  # one event, then hang up
+    rows = _wait_for_rows(server.database_url, [request_id])
+    assert rows[0].outcome == "aborted"
+    assert rows[0].completion_tokens < 3 * 240
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        stats = server.engine.stats()
+        if not stats.num_running and not stats.num_waiting:
+            break
+        time.sleep(0.05)
+    stats = server.engine.stats()
+    assert (stats.num_running, stats.num_waiting) == (0, 0)
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_a_batch_line_takes_n(server: ChoiceServer) -> None:
+    client = server.client(server.new_key("batch"))
+    line = {
+        "custom_id": "three",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "n": 3, "seed": 5},
+    }
+    uploaded = client.files.create(file=("in.jsonl", json.dumps(line).encode()), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    deadline = time.monotonic() + 60
+    while batch.status not in ("completed", "failed", "expired", "cancelled"):
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.1)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed", batch
+    (result,) = [json.loads(x) for x in client.files.content(batch.output_file_id).text.split()]
+    response = result["response"]
+    assert response["status_code"] == 200
+    choices = response["body"]["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    live = server.client().chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=4, n=3, seed=5
+    )
+    assert [c["message"]["content"] for c in choices] == [c.message.content for c in live.choices]
+    usage = response["body"]["usage"]
+    assert usage["completion_tokens"] == live.usage.completion_tokens
+
+
+def _wait_for_rows(database_url: str, request_ids: list[str]) -> list[UsageRow]:
+    async def read() -> list[UsageRow]:
+        engine = create_db_engine(database_url)
+        try:
+            async with create_sessionmaker(engine)() as session:
+                query = select(UsageRow).where(UsageRow.request_id.in_(request_ids))
+                return list((await session.scalars(query)).all())
+        finally:
+            await engine.dispose()
+
+    deadline = time.monotonic() + 10
+    while True:
+        rows = asyncio.run(read())
+        if len(rows) >= len(request_ids) or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.1)
+
+
+# ------------------------------------------------------------------ the pieces alone
+async def _outputs(items: list[Any], delay_s: float = 0.0) -> AsyncIterator[Any]:
+    for item in items:
+        await asyncio.sleep(delay_s)
+        if isinstance(item, Exception):
+            raise item
+        yield item
+
+
+async def test_merge_keeps_each_streams_order_and_ends_with_the_last() -> None:
+    streams = [_outputs(["a1", "a2", "a3"], 0.001), _outputs(["b1", "b2"], 0.002)]
+    merged = [pair async for pair in merge_choices(streams)]
+    assert sorted(merged) == [(0, "a1"), (0, "a2"), (0, "a3"), (1, "b1"), (1, "b2")]
+    assert [o for i, o in merged if i == 0] == ["a1", "a2", "a3"]
+    assert [o for i, o in merged if i == 1] == ["b1", "b2"]
+
+
+async def test_merge_raises_the_first_error_and_stops_reading() -> None:
+    read_after_error: list[str] = []
+
+    async def slow() -> AsyncIterator[str]:
+        yield "s1"
+        await asyncio.sleep(0.05)
+        read_after_error.append("s2")
+        yield "s2"
+
+    seen: list[tuple[int, str]] = []
+
+    async def read_all() -> None:
+        async for pair in merge_choices([slow(), _outputs(["f1", ValueError("broken")])]):
+            seen.append(pair)
+
+    with pytest.raises(ValueError, match="broken"):
+        await read_all()
+    await asyncio.sleep(0.1)
+    assert read_after_error == []  # the other reader was cancelled with the error
+    assert (1, "f1") in seen
+
+
+def test_choice_jobs_keep_the_request_id_for_the_first() -> None:
+    from engine.request import SamplingParams
+    from scheduler.job import Job
+
+    job = Job("req_x", "t", "interactive", 1, 1.0, (1, 2), SamplingParams(seed=3), 0.0)
+    jobs = choice_jobs(job, 3)
+    assert [j.job_id for j in jobs] == ["req_x", choice_job_id("req_x", 1), "req_x.2"]
+    assert [j.params.seed for j in jobs] == [3, 4, 5]
+    unseeded = choice_jobs(Job("r", "t", "i", 1, 1.0, (1,), SamplingParams(), 0.0), 2)
+    assert [j.params.seed for j in unseeded] == [None, None]
