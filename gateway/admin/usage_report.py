@@ -8,6 +8,9 @@ row counts:
 
 - requests: every request recorded (offered load: served, failed, aborted, refused);
 - refusals: those refused at admission (outcome "rejected:<code>");
+- aborted: those whose client went away before the answer (outcome "aborted"), reported
+  so that slo_attainment can be recomputed from the row (slo_met / (requests - aborted))
+  and the row reconciled with /metrics' outcome="aborted";
 - input_tokens, output_tokens: tokens of the requests that were not refused;
 - slo_met / slo_attainment: requests that completed within the tier's TTFT and TPOT SLO
   (TPOT = (E2E - TTFT) / (output tokens - 1)), over requests minus aborted ones (a
@@ -73,6 +76,7 @@ class UsageLine:
             "tier": self.tier,
             "requests": self.requests,
             "refusals": self.refusals,
+            "aborted": self.aborted,
             "input_tokens": self.input_tokens,
             "output_tokens": self.output_tokens,
             "slo_met": self.slo_met,

@@ -30,6 +30,7 @@ CSV_COLUMNS = (
     "tier",
     "requests",
     "refusals",
+    "aborted",
     "input_tokens",
     "output_tokens",
     "slo_met",

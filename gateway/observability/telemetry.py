@@ -69,6 +69,12 @@ HISTOGRAMS = (
     HistogramSpec("tiergate.e2e", "ms", "Arrival to last byte", LATENCY_BUCKETS_MS),
 )
 
+# Every gateway reads the queue and the workers' reports from the shared backend, so these
+# series repeat on every gateway: summed across gateways they would count N times over.
+SAME_ON_EVERY_GATEWAY = "every gateway reports the same value: take max, not sum, across gateways"
+FLEET_QUEUE_NOTE = f" (fleet-wide, the shared queue; {SAME_ON_EVERY_GATEWAY})"
+WORKER_NOTE = f" (each worker's latest report; {SAME_ON_EVERY_GATEWAY})"
+
 # Probes: () -> {tier: queued jobs}; () -> {worker id: engine stats}. A queue probe may
 # carry `totals`: () -> {name: count since the queue began} (gateway.admin.queues).
 QueueProbe = Callable[[], Mapping[str, int]]
@@ -80,17 +86,17 @@ QUEUE_TOTALS = {
     "lease_expirations": (
         "tiergate.queue.lease_expirations",
         "{lease}",
-        "Leases that ran out (their worker died or stalled) and were reclaimed, fleet-wide",
+        "Leases that ran out (their worker died or stalled) and were reclaimed" + FLEET_QUEUE_NOTE,
     ),
     "requeues": (
         "tiergate.queue.requeues",
         "{job}",
-        "Jobs a worker handed back to the queue (drain, engine stopped), fleet-wide",
+        "Jobs a worker handed back to the queue (drain, engine stopped)" + FLEET_QUEUE_NOTE,
     ),
     "abandoned_jobs": (
         "tiergate.queue.abandoned_jobs",
         "{job}",
-        "Jobs ended because the gateway that queued them went away, fleet-wide",
+        "Jobs ended because the gateway that queued them went away" + FLEET_QUEUE_NOTE,
     ),
 }
 
@@ -205,7 +211,7 @@ class Telemetry:
             "tiergate.queue.depth",
             callbacks=[self._observe_queue],
             unit="{request}",
-            description="Requests queued, by tier",
+            description="Requests queued, by tier" + FLEET_QUEUE_NOTE,
         )
         for total, (name, unit, description) in QUEUE_TOTALS.items():
             meter.create_observable_counter(
@@ -227,25 +233,28 @@ class Telemetry:
         }
         for name, (field, unit, description) in worker_gauges.items():
             meter.create_observable_gauge(
-                name, callbacks=[self._worker_callback(field)], unit=unit, description=description
+                name,
+                callbacks=[self._worker_callback(field)],
+                unit=unit,
+                description=description + WORKER_NOTE,
             )
         meter.create_observable_counter(
             "tiergate.engine.preemptions",
             callbacks=[self._worker_callback("num_preemptions")],
             unit="{preemption}",
-            description="Sequences preempted by the engine",
+            description="Sequences preempted by the engine" + WORKER_NOTE,
         )
         meter.create_observable_counter(
             "tiergate.engine.recomputed_tokens",
             callbacks=[self._worker_callback("num_recomputed_tokens")],
             unit="{token}",
-            description="Tokens recomputed after preemption",
+            description="Tokens recomputed after preemption" + WORKER_NOTE,
         )
         meter.create_observable_gauge(
             "tiergate.engine.token_rate",
             callbacks=[self._observe_tokens_per_s],
             unit="{token}/s",
-            description="Engine throughput (smoothed), by phase",
+            description="Engine throughput (smoothed), by phase" + WORKER_NOTE,
         )
 
     def _build_tracing(self) -> None:
