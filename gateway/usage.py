@@ -65,6 +65,8 @@ class UsageRecord:
     e2e_ms: float
     outcome: str
     created_at: datetime
+    # The choices (`n`) the request asked for; completion_tokens is the sum over them.
+    num_choices: int = 1
 
 
 _MAX_INT = 2**31 - 1
@@ -108,7 +110,7 @@ def is_record_slo_met(rec: UsageRecord, targets: SloTargets | None) -> bool:
     The dashboard's definition (gateway.observability.slo); migration 0005 evaluated the
     rows written before it with the same rule in SQL.
     """
-    tpot = tpot_ms(rec.e2e_ms, rec.ttft_ms, rec.completion_tokens)
+    tpot = tpot_ms(rec.e2e_ms, rec.ttft_ms, rec.completion_tokens, rec.num_choices)
     return is_slo_met(
         targets or SloTargets(), is_ok=rec.outcome == "ok", ttft_ms=rec.ttft_ms, tpot_ms=tpot
     )
@@ -189,13 +191,15 @@ def _slo_met_sql() -> ColumnElement[bool]:
         return select(column).where(t.name == u.tier).scalar_subquery()
 
     ttft_slo, tpot_slo = tier_slo(t.ttft_slo_ms), tier_slo(t.tpot_slo_ms)
-    decode_ms = u.e2e_ms - u.ttft_ms
-    # NULLIF: SQL does not promise to stop at `completion_tokens < 2` before dividing.
-    tpot = case((decode_ms < 0, 0.0), else_=decode_ms) / func.nullif(u.completion_tokens - 1, 0)
+    decode_ms = case((u.e2e_ms - u.ttft_ms < 0, 0.0), else_=u.e2e_ms - u.ttft_ms)
+    # tpot_ms's decode / (tokens / choices - 1), as decode * choices / (tokens - choices):
+    # no integer division. NULLIF: SQL does not promise to stop at the `<` test first.
+    tpot = decode_ms * u.num_choices / func.nullif(u.completion_tokens - u.num_choices, 0)
+    few_tokens = u.completion_tokens < 2 * u.num_choices
     met = and_(
         u.outcome == "ok",
         or_(ttft_slo.is_(None), and_(u.ttft_ms.is_not(None), u.ttft_ms <= ttft_slo)),
-        or_(tpot_slo.is_(None), u.ttft_ms.is_(None), u.completion_tokens < 2, tpot <= tpot_slo),
+        or_(tpot_slo.is_(None), u.ttft_ms.is_(None), few_tokens, tpot <= tpot_slo),
     )
     return case((met, true()), else_=false())
 

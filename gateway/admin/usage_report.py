@@ -13,7 +13,7 @@ row counts:
   and the row reconciled with /metrics' outcome="aborted";
 - input_tokens, output_tokens: tokens of the requests that were not refused;
 - slo_met / slo_attainment: requests that completed within the tier's TTFT and TPOT SLO
-  (TPOT = (E2E - TTFT) / (output tokens - 1)), over requests minus aborted ones (a
+  (TPOT = (E2E - TTFT) / (output tokens per choice - 1)), over requests minus aborted ones (a
   client that went away did not wait for an answer). Refusals count as misses. Whether
   a request met its SLO is decided once, against the tier's SLOs when its record is
   written (usage_records.slo_met), so tightening a tier's SLO does not rewrite history

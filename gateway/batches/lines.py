@@ -108,6 +108,7 @@ class LineRunner:
             self._finished(record.finish(f"rejected:{error_code(exc)}"))
             return error_outcome(request_id, exc)
         record.prompt_tokens = jobs[0].num_prompt_tokens
+        record.num_choices = len(jobs)
         streams = [self._jobs.submit(job) for job in jobs]
         job_ids = [job.job_id for job in jobs]
         if len(jobs) > 1:
@@ -222,6 +223,7 @@ class _Record:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     first_token_s: float | None = None
+    num_choices: int = 1
 
     def finish(self, outcome: str, queue_wait_ms: float | None = None) -> UsageRecord:
         now = time.monotonic()
@@ -240,6 +242,7 @@ class _Record:
             e2e_ms=(now - self.started_s) * 1000.0,
             outcome=outcome,
             created_at=datetime.now(UTC),
+            num_choices=self.num_choices,
         )
 
 

@@ -21,11 +21,16 @@ class SloTargets:
     tpot_slo_ms: float | None = None
 
 
-def tpot_ms(e2e_ms: float, ttft_ms: float | None, num_output_tokens: int) -> float | None:
-    """Time per output token after the first: (E2E - TTFT) / (output tokens - 1)."""
-    if ttft_ms is None or num_output_tokens < 2:
+def tpot_ms(
+    e2e_ms: float, ttft_ms: float | None, num_output_tokens: int, num_choices: int = 1
+) -> float | None:
+    """Time per output token after the first: (E2E - TTFT) / (output tokens - 1), per
+    choice (the choices of one request decode side by side: n of them make n tokens in
+    one token's time)."""
+    per_choice = num_output_tokens / num_choices
+    if ttft_ms is None or per_choice < 2:
         return None
-    return max(0.0, e2e_ms - ttft_ms) / (num_output_tokens - 1)
+    return max(0.0, e2e_ms - ttft_ms) / (per_choice - 1)
 
 
 def is_slo_met(

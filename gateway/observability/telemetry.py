@@ -339,7 +339,7 @@ class Telemetry:
         if outcome.startswith("rejected"):
             refusal_code = outcome.partition(":")[2] or "unknown"
         is_ok = outcome == "ok"
-        tpot = tpot_ms(record.e2e_ms, record.ttft_ms, record.completion_tokens)
+        tpot = tpot_ms(record.e2e_ms, record.ttft_ms, record.completion_tokens, record.num_choices)
         targets = self._slo_targets.get(record.tier, SloTargets())
         # A client that went away is neither a hit nor a miss: it did not wait for one.
         is_counted = outcome != "aborted"

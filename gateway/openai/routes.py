@@ -171,6 +171,7 @@ class _Exchange:
             e2e_ms=(now - self.started_s) * 1000.0,
             outcome=outcome,
             created_at=datetime.now(UTC),
+            num_choices=len(self.choice_tokens),
         )
 
 

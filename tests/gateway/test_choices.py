@@ -173,6 +173,7 @@ def test_choices_leave_one_usage_record(server: ChoiceServer) -> None:
     assert rows[0].outcome == "ok"
     assert rows[0].prompt_tokens == reply.usage.prompt_tokens
     assert rows[0].completion_tokens == reply.usage.completion_tokens
+    assert rows[0].num_choices == 4  # its TPOT is that of one choice (see gateway.usage)
     if all(c.finish_reason == "length" for c in reply.choices):
         assert reply.usage.completion_tokens == 4 * 5
 

@@ -20,6 +20,9 @@ from gateway.db.session import create_db_engine
 from gateway.migrate import current_revision, head_revisions, migrate_to, upgrade_to_head
 from tests.gateway.conftest import run_cli
 
+# A revision after this release's head: a database migrated by a newer release.
+FUTURE = f"{int(head_revisions()[0]) + 1:04d}"
+
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {"PATH": "/usr/bin:/bin", "TIERGATE_DEVICE": "cpu"}
 
@@ -91,7 +94,7 @@ def test_a_gateway_starts_on_a_database_ahead_of_the_code(
     argv = _server_argv("gateway", postgres_url, redis_url, redis_prefix)
     assert _tiergate(*argv).returncode == 2
     upgrade_to_head(postgres_url)
-    _set_revision(postgres_url, "0007")
+    _set_revision(postgres_url, FUTURE)
     proc = subprocess.Popen(
         [sys.executable, "-m", "gateway.cli", *argv],
         cwd=ROOT,
@@ -120,13 +123,13 @@ def test_a_gateway_starts_on_a_database_ahead_of_the_code(
 
 
 def test_migrate_refuses_a_database_ahead_of_the_code(migrated_database_url: str) -> None:
-    _set_revision(migrated_database_url, "0007")
+    _set_revision(migrated_database_url, FUTURE)
     for argv in (["migrate"], ["migrate", "--revision", "0005"]):
         ran = _tiergate(*argv, "--database-url", migrated_database_url)
         assert ran.returncode == 2, ran.stderr[-3000:]
         [line] = ran.stderr.splitlines()
-        assert "the database is at revision 0007, newer than this release" in line
-    assert current_revision(migrated_database_url) == "0007"
+        assert f"the database is at revision {FUTURE}, newer than this release" in line
+    assert current_revision(migrated_database_url) == FUTURE
 
 
 def test_serve_refuses_an_embedded_database_ahead_of_the_code(tmp_path: Path) -> None:
@@ -134,11 +137,11 @@ def test_serve_refuses_an_embedded_database_ahead_of_the_code(tmp_path: Path) ->
     it does not know."""
     url = f"sqlite+aiosqlite:///{tmp_path / 'tiergate.db'}"
     upgrade_to_head(url)
-    _set_revision(url, "0007")
+    _set_revision(url, FUTURE)
     ran = _tiergate("serve", "--data-dir", str(tmp_path), "--port", str(_free_port()))
     assert ran.returncode == 2, ran.stderr[-3000:]
     [line] = ran.stderr.splitlines()
-    assert "the database is at revision 0007, newer than this release" in line
+    assert f"the database is at revision {FUTURE}, newer than this release" in line
 
 
 @pytest.mark.slow

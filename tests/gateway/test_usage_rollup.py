@@ -62,14 +62,19 @@ async def _set_tier_terms(sessionmaker) -> None:
             )
 
 
-def random_records(rng: random.Random, count: int) -> list[UsageRecord]:
+def random_records(
+    rng: random.Random, count: int, *, choices: tuple[int, ...] = (1, 1, 1, 2, 4)
+) -> list[UsageRecord]:
+    """Random records; `choices`: the values of num_choices to draw from."""
     records = []
     for i in range(count):
         if rng.random() < 0.05:  # exactly on an hour boundary
             at = START + timedelta(hours=rng.randrange(int(SPAN.total_seconds() // 3600)))
         else:
             at = START + timedelta(microseconds=rng.randrange(int(SPAN.total_seconds() * 1e6)))
-        num_out = rng.choice((0, 1, 2, 3, rng.randrange(300)))
+        num_choices = rng.choice(choices)
+        # Tokens of the choices together: each choice's count near the others'.
+        num_out = sum(rng.choice((0, 1, 2, 3, 40)) for _ in range(num_choices))
         ttft_ms = None if rng.random() < 0.1 else rng.uniform(0, 1000)
         decode_ms = rng.uniform(-5, 60 * max(num_out, 1))  # below 0: clocks disagree
         records.append(
@@ -85,6 +90,7 @@ def random_records(rng: random.Random, count: int) -> list[UsageRecord]:
                 e2e_ms=(ttft_ms or 0.0) + decode_ms,
                 outcome=rng.choice(OUTCOMES),
                 created_at=at,
+                num_choices=num_choices,
             )
         )
     return records
@@ -97,9 +103,10 @@ def is_met(rec: UsageRecord) -> bool:
         return False
     if terms.ttft_slo_ms is not None and (rec.ttft_ms is None or rec.ttft_ms > terms.ttft_slo_ms):
         return False
-    if terms.tpot_slo_ms is None or rec.ttft_ms is None or rec.completion_tokens < 2:
+    per_choice = rec.completion_tokens / rec.num_choices  # the choices decode side by side
+    if terms.tpot_slo_ms is None or rec.ttft_ms is None or per_choice < 2:
         return True
-    tpot_ms = max(0.0, rec.e2e_ms - rec.ttft_ms) / (rec.completion_tokens - 1)
+    tpot_ms = max(0.0, rec.e2e_ms - rec.ttft_ms) / (per_choice - 1)
     return tpot_ms <= terms.tpot_slo_ms
 
 
@@ -237,13 +244,13 @@ async def test_migration_0005_backfills_the_rollup(database_url: str) -> None:
     await asyncio.to_thread(upgrade_to_head, database_url)
     await asyncio.to_thread(downgrade_to, database_url, "0004")
     rng = random.Random(5)
-    before, after = random_records(rng, 800), random_records(rng, 200)
+    before, after = random_records(rng, 800, choices=(1,)), random_records(rng, 200)
     engine = create_db_engine(database_url)
     sessionmaker = create_sessionmaker(engine)
     try:
         await _set_tier_terms(sessionmaker)
         async with engine.begin() as connection:
-            await connection.execute(sa.insert(_USAGE_AT_0004), [rec.__dict__ for rec in before])
+            await connection.execute(sa.insert(_USAGE_AT_0004), [_at_0004(rec) for rec in before])
         await engine.dispose()  # let the migration have the SQLite file
 
         await asyncio.to_thread(upgrade_to_head, database_url)
@@ -276,6 +283,12 @@ async def test_migration_0005_backfills_the_rollup(database_url: str) -> None:
         await engine.dispose()
 
 
+def _at_0004(rec: UsageRecord) -> dict:
+    """A record as a row of revision 0004, before num_choices (older gateways: n = 1)."""
+    assert rec.num_choices == 1
+    return {k: v for k, v in rec.__dict__.items() if k != "num_choices"}
+
+
 def _hour(rec: UsageRecord) -> datetime:
     return rec.created_at.replace(minute=0, second=0, microsecond=0)
 
@@ -289,11 +302,11 @@ async def test_rebuild_repairs_hours_written_by_an_older_gateway(db_sessionmaker
     # slo_met, no rollup. The report misses them until the hours are rebuilt.
     rng = random.Random(7)
     await _set_tier_terms(db_sessionmaker)
-    new, old = random_records(rng, 300), random_records(rng, 300)
+    new, old = random_records(rng, 300), random_records(rng, 300, choices=(1,))
     old = [_renamed(rec) for rec in old]
     await _write(db_sessionmaker, new, max_batch=64)
     async with db_sessionmaker() as session, session.begin():
-        await session.execute(sa.insert(_USAGE_AT_0004), [rec.__dict__ for rec in old])
+        await session.execute(sa.insert(_USAGE_AT_0004), [_at_0004(rec) for rec in old])
     records = new + old
     whole = UsageQuery(START, START + SPAN, "day")
     assert await usage_report(db_sessionmaker, whole) != await usage_report_from_records(
@@ -312,3 +325,19 @@ async def test_rebuild_repairs_hours_written_by_an_older_gateway(db_sessionmaker
             )
         assert stored == {rec.request_id: is_met(rec) for rec in records}
         await _assert_reports_agree(db_sessionmaker, records, random_queries(rng, 10))
+
+
+async def test_the_sql_slo_rule_is_the_python_rule(db_sessionmaker) -> None:
+    # The rule the rebuild applies in SQL to rows written without slo_met, on rows of
+    # every shape the Python rule sees (num_choices included), not only older gateways'.
+    rng = random.Random(11)
+    await _set_tier_terms(db_sessionmaker)
+    records = random_records(rng, 600)
+    async with db_sessionmaker() as session, session.begin():
+        rows = [{**rec.__dict__, "slo_met": None} for rec in records]
+        await session.execute(sa.insert(UsageRow.__table__), rows)
+    async with db_sessionmaker() as session, session.begin():
+        await rebuild_usage_rollup(session, START, START + SPAN)
+    async with db_sessionmaker() as session:
+        stored = dict((await session.execute(select(UsageRow.request_id, UsageRow.slo_met))).all())
+    assert stored == {rec.request_id: is_met(rec) for rec in records}
