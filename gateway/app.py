@@ -199,6 +199,7 @@ async def _build_router(
 
     usage = UsageWriter(sessionmaker, flush_interval_s=settings.usage_flush_interval_s)
     await usage.start()
+    telemetry.watch_usage(usage)
     stack.push_async_callback(usage.aclose)  # closed last: it flushes the final records
 
     dispatcher: Dispatcher | None = None

@@ -75,6 +75,33 @@ SAME_ON_EVERY_GATEWAY = "every gateway reports the same value: take max, not sum
 FLEET_QUEUE_NOTE = f" (fleet-wide, the shared queue; {SAME_ON_EVERY_GATEWAY})"
 WORKER_NOTE = f" (each worker's latest report; {SAME_ON_EVERY_GATEWAY})"
 
+# The usage writer's counts (gateway.usage.UsageWriter), per gateway: records it wrote,
+# records it lost (buffer full while the database was away), records not yet written.
+USAGE_SERIES = {
+    "num_written": ("tiergate.usage.records_written", "counter", "Usage records written"),
+    "num_dropped": (
+        "tiergate.usage.records_dropped",
+        "counter",
+        "Usage records lost: the buffer was full while the database refused writes",
+    ),
+    "num_pending": (
+        "tiergate.usage.records_pending",
+        "gauge",
+        "Usage records not yet written (a growing value: the database is behind or away)",
+    ),
+}
+
+
+class UsageCounts(Protocol):
+    """What a gateway.usage.UsageWriter reports (kept apart: usage imports from here)."""
+
+    num_written: int
+    num_dropped: int
+
+    @property
+    def num_pending(self) -> int: ...
+
+
 # Probes: () -> {tier: queued jobs}; () -> {worker id: engine stats}. A queue probe may
 # carry `totals`: () -> {name: count since the queue began} (gateway.admin.queues).
 QueueProbe = Callable[[], Mapping[str, int]]
@@ -134,6 +161,7 @@ class Telemetry:
         self._tier_ranks: dict[str, int] = {}
         self._queue_probe: QueueProbe = dict
         self._worker_probe: WorkerProbe = dict
+        self._usage_writer: UsageCounts | None = None
         self._open_traces: dict[str, RequestTrace] = {}
         self._meter_provider: MeterProvider | None = None
         self._tracer_provider: TracerProvider | None = None
@@ -257,6 +285,19 @@ class Telemetry:
             description="Engine throughput (smoothed), by phase" + WORKER_NOTE,
         )
 
+        for field, (name, kind, description) in USAGE_SERIES.items():
+            create = (
+                meter.create_observable_counter
+                if kind == "counter"
+                else meter.create_observable_gauge
+            )
+            create(
+                name,
+                callbacks=[self._usage_callback(field)],
+                unit="{record}",
+                description=description,
+            )
+
     def _build_tracing(self) -> None:
         # The provider reads the sampler from OTEL_TRACES_SAMPLER*; the spans themselves
         # are built by RequestTracer and exported by a process of their own, or by the
@@ -288,6 +329,10 @@ class Telemetry:
 
     def watch_workers(self, probe: WorkerProbe) -> None:
         self._worker_probe = probe
+
+    def watch_usage(self, writer: UsageCounts) -> None:
+        """Report the usage writer's counts (USAGE_SERIES)."""
+        self._usage_writer = writer
 
     # ----------------------------------------------------------------- requests
     def start_request(
@@ -470,6 +515,13 @@ class Telemetry:
             value = self.queue_totals().get(name)
             if value is not None:  # not read yet: no sample rather than a false 0
                 yield Observation(value)
+
+        return observe
+
+    def _usage_callback(self, field: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def observe(_options: CallbackOptions) -> Iterable[Observation]:
+            if self._usage_writer is not None:
+                yield Observation(getattr(self._usage_writer, field))
 
         return observe
 

@@ -342,3 +342,41 @@ def test_dashboard_tenants_count_what_the_usage_report_counts() -> None:
     # Attainment still leaves the aborted request out: it did not wait for an answer.
     assert sum(b["requests"].get("interactive", 0) for b in telemetry.recent.series(600)) == 2
     telemetry.shutdown()
+
+
+def test_usage_writer_counts_are_on_metrics(live_server: LiveServer) -> None:
+    before = value(scrape(live_server), "tiergate_usage_records_written_total")
+    live_server.client().completions.create(model=MODEL, prompt="count me", max_tokens=2)
+    deadline = time.monotonic() + 10
+    while value(samples := scrape(live_server), "tiergate_usage_records_written_total") <= before:
+        assert time.monotonic() < deadline, "the record was never counted as written"
+        time.sleep(0.05)
+    assert ("tiergate_usage_records_pending", frozenset()) in samples
+    assert value(samples, "tiergate_usage_records_dropped_total") == 0
+
+
+async def test_usage_records_lost_to_a_database_away_are_counted(tmp_path) -> None:
+    from gateway.db.session import create_db_engine, create_sessionmaker
+    from gateway.usage import UsageRecord, UsageWriter
+
+    engine = create_db_engine(f"sqlite+aiosqlite:///{tmp_path / 'missing' / 'usage.db'}")
+    writer = UsageWriter(create_sessionmaker(engine), max_buffered=2)
+    telemetry = Telemetry(TelemetryConfig.from_env({}))
+    telemetry.watch_usage(writer)
+    try:
+        for i in range(3):
+            record = UsageRecord(
+                f"req_{i}", "t", "batch", MODEL, 3, 4, None, None, 9.0, "ok", datetime.now(UTC)
+            )
+            writer.record(record)
+        assert not await writer.flush()  # no such directory: the database refuses
+        samples: Samples = {}
+        for family in text_string_to_metric_families(telemetry.render_metrics().decode()):
+            for sample in family.samples:
+                samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
+        assert value(samples, "tiergate_usage_records_dropped_total") == 1
+        assert value(samples, "tiergate_usage_records_pending") == 2
+        assert value(samples, "tiergate_usage_records_written_total") == 0
+    finally:
+        telemetry.shutdown()
+        await engine.dispose()
