@@ -41,7 +41,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.db.models import Tier, UsageHourly, UsageRow
-from gateway.observability.slo import SloTargets, is_slo_met, tpot_ms
+from gateway.observability.slo import SloTargets, is_prompt_served, is_slo_met, tpot_ms
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +133,9 @@ def hourly_sums(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         counts[0] += 1
         counts[1] += is_refused
         counts[2] += row["outcome"] == "aborted"
-        if not is_refused:  # a refused request's prompt was never served
+        if is_prompt_served(row["outcome"], row["queue_wait_ms"]):
             counts[3] += row["prompt_tokens"]
+        if not is_refused:
             counts[4] += row["completion_tokens"]
         counts[5] += bool(row["slo_met"])
     return [
@@ -180,6 +181,11 @@ async def write_usage(session: AsyncSession, records: list[UsageRecord]) -> None
         rows.append(row)
     await session.execute(insert(UsageRow.__table__), rows)
     await session.execute(_rollup_upsert(session.bind.dialect.name), hourly_sums(rows))
+
+
+def prompt_served_sql(columns: Any) -> ColumnElement[bool]:
+    """is_prompt_served in SQL over usage_records' `columns`."""
+    return and_(~columns.outcome.like("rejected:%"), columns.queue_wait_ms.is_not(None))
 
 
 def _slo_met_sql() -> ColumnElement[bool]:
@@ -247,7 +253,7 @@ async def rebuild_usage_rollup(session: AsyncSession, start: datetime, end: date
             func.count(),
             total_if(refused),
             total_if(u.c.outcome == "aborted"),
-            total_if(~refused, u.c.prompt_tokens),
+            total_if(prompt_served_sql(u.c), u.c.prompt_tokens),
             total_if(~refused, u.c.completion_tokens),
             total_if(u.c.slo_met),
         )

@@ -11,7 +11,9 @@ row counts:
 - aborted: those whose client went away before the answer (outcome "aborted"), reported
   so that slo_attainment can be recomputed from the row (slo_met / (requests - aborted))
   and the row reconciled with /metrics' outcome="aborted";
-- input_tokens, output_tokens: tokens of the requests that were not refused;
+- input_tokens: prompt tokens of the requests admitted and served (not refused, and
+  out of the queue: a request whose client left while it was queued ran nothing);
+- output_tokens: tokens generated;
 - slo_met / slo_attainment: requests that completed within the tier's TTFT and TPOT SLO
   (TPOT = (E2E - TTFT) / (output tokens per choice - 1)), over requests minus aborted ones (a
   client that went away did not wait for an answer). Refusals count as misses. Whether
@@ -31,7 +33,7 @@ from sqlalchemy.ext.asyncio import async_sessionmaker
 from sqlalchemy.sql.elements import ColumnElement
 
 from gateway.db.models import Tier, UsageHourly, UsageRow
-from gateway.usage import ROLLUP_COUNTS, hour_of
+from gateway.usage import ROLLUP_COUNTS, hour_of, prompt_served_sql
 
 GROUPINGS = {"hour": timedelta(hours=1), "day": timedelta(days=1)}
 _WORK_MEM = "64MB"
@@ -115,7 +117,7 @@ def _from_records(dialect: str, query: UsageQuery, start: datetime, end: datetim
         literal(1, BigInteger).label("requests"),
         one_if(refused).label("refusals"),
         one_if(u.outcome == "aborted").label("aborted"),
-        one_if(~refused, u.prompt_tokens).label("input_tokens"),
+        one_if(prompt_served_sql(u), u.prompt_tokens).label("input_tokens"),
         one_if(~refused, u.completion_tokens).label("output_tokens"),
         one_if(u.slo_met).label("slo_met"),
     ).where(u.created_at >= start, u.created_at < end)

@@ -21,6 +21,13 @@ class SloTargets:
     tpot_slo_ms: float | None = None
 
 
+def is_prompt_served(outcome: str, queue_wait_ms: float | None) -> bool:
+    """Whether a request's prompt tokens count as served (usage report, token metrics,
+    the tenant's TPM): it was admitted and left the queue. A refused prompt was never
+    processed, nor was one whose client went away (or that failed) while still queued."""
+    return queue_wait_ms is not None and not outcome.startswith("rejected:")
+
+
 def tpot_ms(
     e2e_ms: float, ttft_ms: float | None, num_output_tokens: int, num_choices: int = 1
 ) -> float | None:

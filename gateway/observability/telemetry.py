@@ -34,7 +34,13 @@ from gateway.observability.histograms import (
     PrometheusReaderWithHistograms,
     TierHistograms,
 )
-from gateway.observability.slo import RecentOutcomes, SloTargets, is_slo_met, tpot_ms
+from gateway.observability.slo import (
+    RecentOutcomes,
+    SloTargets,
+    is_prompt_served,
+    is_slo_met,
+    tpot_ms,
+)
 from gateway.observability.span_export import ProcessSpanSink
 from gateway.observability.tenant_labels import TenantLabels
 from gateway.observability.tracing import (
@@ -140,6 +146,7 @@ class FinishedRequest(Protocol):
     ttft_ms: float | None
     e2e_ms: float
     outcome: str
+    num_choices: int
 
 
 class TierLike(Protocol):
@@ -389,9 +396,10 @@ class Telemetry:
         # A client that went away is neither a hit nor a miss: it did not wait for one.
         is_counted = outcome != "aborted"
         is_met = is_slo_met(targets, is_ok=is_ok, ttft_ms=record.ttft_ms, tpot_ms=tpot)
-        # A refused prompt was never processed: its tokens are nobody's, as in the usage
-        # report and the token counter below.
-        num_input_tokens = 0 if refusal_code is not None else record.prompt_tokens
+        # A prompt refused, or left in the queue, was never processed: its tokens are
+        # nobody's, as in the usage report and the token counter below.
+        is_served = is_prompt_served(outcome, record.queue_wait_ms)
+        num_input_tokens = record.prompt_tokens if is_served else 0
         self.recent.add(
             tier=record.tier,
             tenant_id=record.tenant_id,
@@ -409,8 +417,8 @@ class Telemetry:
                 _bump(counts["refusals"], (record.tier, refusal_code), 1)
             if is_counted:
                 _bump(counts["slo"], (record.tier, "true" if is_met else "false"), 1)
-            if record.prompt_tokens and refusal_code is None:
-                _bump(counts["tokens"], (record.tier, "input"), record.prompt_tokens)
+            if num_input_tokens:
+                _bump(counts["tokens"], (record.tier, "input"), num_input_tokens)
             if record.completion_tokens:
                 _bump(counts["tokens"], (record.tier, "output"), record.completion_tokens)
             histograms = self._histograms

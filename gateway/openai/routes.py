@@ -42,6 +42,7 @@ from gateway.errors import (
 )
 from gateway.middleware import request_id_of
 from gateway.observability import RequestTimeline, Telemetry
+from gateway.observability.slo import is_prompt_served
 from gateway.openai.choices import (
     CollectedChoice,
     choice_jobs,
@@ -563,9 +564,11 @@ class OpenAIRoutes:
         """Leave the request's usage record and report it to telemetry (once per request)."""
         record = exchange.record(outcome)
         if self.deps.admission is not None and exchange.reservation is not None:
-            used = exchange.num_prompt_tokens + exchange.num_completion_tokens
-            if outcome.startswith("rejected:"):
-                used = 0  # dropped unserved (a queue timeout): its tokens are refunded
+            # A prompt never served (dropped by a queue timeout, or its client left
+            # while it was queued) is refunded, as the usage report does not bill it.
+            used = exchange.num_completion_tokens
+            if is_prompt_served(outcome, record.queue_wait_ms):
+                used += exchange.num_prompt_tokens
             self.deps.admission.release_soon(exchange.reservation, used)
             exchange.reservation = None
         self.deps.usage.record(record)

@@ -338,3 +338,46 @@ async def test_a_queue_timeout_is_a_refusal_with_the_expected_wait(cap_server: C
         assert (line["input_tokens"], line["output_tokens"]) == (0, 0)
     finally:
         await client.close()
+
+
+async def test_a_request_given_up_while_queued_is_not_billed(cap_server: CapServer) -> None:
+    """Its client left before it ran: no input tokens in the usage report, and its
+    prompt goes back to the tenant's TPM."""
+    name = f"gone-{uuid.uuid4().hex[:6]}"
+    client = await _tenant(cap_server, {"name": name}, tpm=60)  # refills 1 token a second
+    long_prompt = [42] * 40  # token ids: exactly 40 prompt tokens
+    try:
+        cap_server.engine.is_paused = True
+        try:
+            async with cap_server.admin() as admin:
+                queued = asyncio.create_task(
+                    client.completions.create(
+                        model="tiny-random", prompt=long_prompt, max_tokens=10
+                    )
+                )
+                await _until_queued(admin, name, 1)
+                queued.cancel()  # the client hangs up while its request waits
+                await _until_queued(admin, name, 0)
+        finally:
+            cap_server.engine.is_paused = False
+        async with cap_server.admin() as admin:
+            deadline_s = time.monotonic() + 10
+            while True:
+                report = await admin.get("/usage", params={"tier": name})
+                report.raise_for_status()
+                lines = report.json()["data"]
+                if lines and lines[0]["aborted"] == 1:
+                    break
+                assert time.monotonic() < deadline_s, "the usage record never arrived"
+                await asyncio.sleep(0.1)
+        [line] = lines
+        assert (line["requests"], line["input_tokens"], line["output_tokens"]) == (1, 0, 0)
+        # The whole reservation came back (a charged 40-token prompt would take 40 s).
+        raw = await client.completions.with_raw_response.create(
+            model="tiny-random", prompt="hi", max_tokens=4
+        )
+        reply = raw.parse()
+        remaining = int(raw.headers["x-ratelimit-remaining-tokens"])
+        assert remaining >= 60 - (reply.usage.prompt_tokens + 4) - 1
+    finally:
+        await client.close()

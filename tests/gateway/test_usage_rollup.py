@@ -21,7 +21,7 @@ from gateway.admin.usage_report import (
 )
 from gateway.db.models import Tier, UsageHourly, UsageRow, UTCDateTime
 from gateway.db.session import create_db_engine, create_sessionmaker
-from gateway.migrate import current_revision, downgrade_to, upgrade_to_head
+from gateway.migrate import current_revision, downgrade_to, migrate_to, upgrade_to_head
 from gateway.usage import UsageRecord, UsageWriter, rebuild_usage_rollup
 
 START = datetime(2025, 6, 1, 0, 0, tzinfo=UTC)
@@ -77,6 +77,9 @@ def random_records(
         num_out = sum(rng.choice((0, 1, 2, 3, 40)) for _ in range(num_choices))
         ttft_ms = None if rng.random() < 0.1 else rng.uniform(0, 1000)
         decode_ms = rng.uniform(-5, 60 * max(num_out, 1))  # below 0: clocks disagree
+        outcome = rng.choice(OUTCOMES)
+        # Requests that never left the queue: refused, or failed or aborted while queued.
+        never_ran = outcome.startswith("rejected:") or (outcome != "ok" and rng.random() < 0.3)
         records.append(
             UsageRecord(
                 request_id=f"req_{i}",
@@ -85,10 +88,10 @@ def random_records(
                 model="tiny-random",
                 prompt_tokens=rng.randrange(2000),
                 completion_tokens=num_out,
-                queue_wait_ms=rng.uniform(0, 100),
+                queue_wait_ms=None if never_ran else rng.uniform(0, 100),
                 ttft_ms=ttft_ms,
                 e2e_ms=(ttft_ms or 0.0) + decode_ms,
-                outcome=rng.choice(OUTCOMES),
+                outcome=outcome,
                 created_at=at,
                 num_choices=num_choices,
             )
@@ -125,7 +128,8 @@ def expected_lines(records: list[UsageRecord], query: UsageQuery) -> dict[tuple,
         counts[0] += 1
         counts[1] += is_refused
         counts[2] += rec.outcome == "aborted"
-        counts[3] += 0 if is_refused else rec.prompt_tokens
+        # A prompt is billed once served: admitted, and out of the queue.
+        counts[3] += 0 if is_refused or rec.queue_wait_ms is None else rec.prompt_tokens
         counts[4] += 0 if is_refused else rec.completion_tokens
         counts[5] += is_met(rec)
     lines = {}
@@ -341,3 +345,47 @@ async def test_the_sql_slo_rule_is_the_python_rule(db_sessionmaker) -> None:
     async with db_sessionmaker() as session:
         stored = dict((await session.execute(select(UsageRow.request_id, UsageRow.slo_met))).all())
     assert stored == {rec.request_id: is_met(rec) for rec in records}
+
+
+async def test_migration_0007_takes_unserved_prompts_out_of_the_bill(database_url: str) -> None:
+    """Hours summed before 0007 billed the prompts of requests that never left the queue;
+    the upgrade takes them out, the downgrade puts them back."""
+
+    async def billed_input() -> int:
+        engine = create_db_engine(database_url)
+        try:
+            async with engine.connect() as connection:
+                total = await connection.scalar(
+                    sa.text("SELECT SUM(input_tokens) FROM usage_hourly")
+                )
+        finally:
+            await engine.dispose()
+        return int(total)
+
+    rng = random.Random(9)
+    records = random_records(rng, 400, choices=(1,))
+    unserved = sum(
+        rec.prompt_tokens
+        for rec in records
+        if rec.queue_wait_ms is None and not rec.outcome.startswith("rejected:")
+    )
+    assert unserved > 0
+    served = sum(
+        rec.prompt_tokens
+        for rec in records
+        if rec.queue_wait_ms is not None and not rec.outcome.startswith("rejected:")
+    )
+    await asyncio.to_thread(upgrade_to_head, database_url)
+    await asyncio.to_thread(downgrade_to, database_url, "0004")
+    engine = create_db_engine(database_url)
+    try:
+        async with engine.begin() as connection:
+            await connection.execute(sa.insert(_USAGE_AT_0004), [_at_0004(rec) for rec in records])
+    finally:
+        await engine.dispose()
+    await asyncio.to_thread(migrate_to, database_url, "0006")  # 0005 bills every prompt
+    assert await billed_input() == served + unserved
+    await asyncio.to_thread(upgrade_to_head, database_url)
+    assert await billed_input() == served
+    await asyncio.to_thread(migrate_to, database_url, "0006")
+    assert await billed_input() == served + unserved
