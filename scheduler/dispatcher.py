@@ -23,6 +23,7 @@ rest back in the queue (each resumes elsewhere after the tokens it streamed).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -38,6 +39,9 @@ from scheduler.logprobs import encode_logprobs
 from scheduler.results import ENGINE_ERROR, INVALID_REQUEST, process_instance_id
 
 log = logging.getLogger(__name__)
+
+# How many ended jobs a dispatcher remembers (a job comes back within a lease or two).
+ENDED_JOBS_REMEMBERED = 4096
 
 
 class EngineLike(Protocol):
@@ -91,6 +95,11 @@ class DispatcherConfig:
 @dataclass
 class _Running:
     job: Job
+    # The job's id in the engine: the job id (which is the client's x-request-id), except
+    # for a job this worker ran before. That run's id may still be held (the engine drops
+    # an aborted request only between two steps), and the new run would fail as a
+    # duplicate.
+    engine_request_id: str
     # Sent with the lease's first event, then None: the job's wait from its arrival at
     # the gateway to this lease (wall clocks of the two hosts).
     queue_wait_ms: float | None = None
@@ -120,6 +129,8 @@ class Dispatcher:
         self.worker_id = worker_id or process_instance_id()
         self._config = config or DispatcherConfig()
         self._running: dict[str, _Running] = {}
+        # Jobs whose run here ended lately, oldest first (see _Running.engine_request_id).
+        self._ended_here: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._wake = asyncio.Event()
         self._capacity_freed = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
@@ -245,7 +256,19 @@ class Dispatcher:
             leased_s = time.time()
             for job in jobs:
                 self.num_dispatched += 1
-                running = _Running(job, max(0.0, (leased_s - job.arrival_s) * 1000.0))
+                if job.job_id in self._running:
+                    # Its lease lapsed (another worker's clock ran ahead, or this one
+                    # stalled) and came back here while its run goes on: that run holds
+                    # the job again and continues from where it is, the only publisher
+                    # of its stream. A second run would resume after the tokens of the
+                    # lease, miss those the first publishes meanwhile and repeat them.
+                    log.info("job %s was leased again by its own worker", job.job_id)
+                    continue
+                running = _Running(
+                    job,
+                    self._engine_request_id(job.job_id),
+                    max(0.0, (leased_s - job.arrival_s) * 1000.0),
+                )
                 running.task = asyncio.create_task(self._drive(running), name=f"job-{job.job_id}")
                 self._running[job.job_id] = running
             if len(jobs) < num_wanted:
@@ -282,6 +305,17 @@ class Dispatcher:
             self._best_rank = await self._best_queued_rank()
         return self._best_rank is not None and self._engine.can_accept(self._best_rank)
 
+    def _engine_request_id(self, job_id: str) -> str:
+        if job_id in self._ended_here:
+            return f"{job_id}#{self.num_dispatched}"
+        return job_id
+
+    def _ended(self, job_id: str) -> None:
+        self._running.pop(job_id, None)
+        self._ended_here[job_id] = None
+        if len(self._ended_here) > ENDED_JOBS_REMEMBERED:
+            self._ended_here.popitem(last=False)
+
     async def _best_queued_rank(self) -> int | None:
         try:
             depth = await self._backend.depth()
@@ -313,7 +347,7 @@ class Dispatcher:
                 return
             # The engine continues after the resumed tokens, which count toward max_tokens.
             request = {
-                "request_id": job.job_id,
+                "request_id": running.engine_request_id,
                 "priority": _priority(job),
                 "resumed_token_ids": job.resumed_token_ids,
             }
@@ -375,7 +409,7 @@ class Dispatcher:
                 backend.fail(job.job_id, code=ENGINE_ERROR, message=repr(exc), worker_id=worker)
             )
         finally:
-            self._running.pop(job.job_id, None)
+            self._ended(job.job_id)
             self._capacity_freed.set()
             if not reported:  # cancelled, failed or handed back on the way
                 self._report_capacity_soon()
