@@ -82,6 +82,30 @@ RENEW_EVERY_S = 10.0
 CAPACITY_MAX_AGE_MS = 100.0
 
 
+def _too_large_message(tpm: int, job: Job, num_choices: int, max_tokens_given: bool) -> str:
+    """Why a request larger than the whole TPM limit is refused, and what fits."""
+    n = num_choices
+    each = "max_tokens" if n == 1 else f"{n} x max_tokens"
+    num_tokens = job.num_prompt_tokens + n * job.params.max_tokens
+    message = (
+        f"Request too large: {num_tokens} tokens (prompt + {each}) exceed the limit of "
+        f"{tpm} tokens per minute."
+    )
+    room = (tpm - job.num_prompt_tokens) // n
+    lower_n = "" if n == 1 else "lower n, "
+    if room < 1:
+        advice = "Lower n, or shorten the prompt." if n > 1 else "Shorten the prompt."
+    elif max_tokens_given:
+        advice = f"Set max_tokens to at most {room}, {lower_n}or shorten the prompt."
+    else:
+        advice = (
+            f"max_tokens was not set, so it defaulted to {job.params.max_tokens} "
+            f"(the rest of the context); set it to at most {room}"
+            + (", or lower n." if n > 1 else ".")
+        )
+    return f"{message} {advice}"
+
+
 class RecentCapacity:
     """The fleet's capacity as SLO admission reads it: `fleet_capacity` remembered for
     `max_age_ms`. The work queued ahead, which changes with every enqueue, the queue
@@ -159,19 +183,10 @@ class Admission:
             self._hold(reservation)
             return reservation
         except RequestExceedsLimitError as exc:
-            room = ((principal.tpm or 0) - job.num_prompt_tokens) // num_choices
-            lower_n = "lower n, " if num_choices > 1 else ""
-            if room < 1:
-                advice = "Lower n, or shorten the prompt." if lower_n else "Shorten the prompt."
-            elif max_tokens_given:
-                advice = f"Set max_tokens to at most {room}, {lower_n}or shorten the prompt."
-            else:
-                advice = (
-                    f"max_tokens was not set, so it defaulted to {job.params.max_tokens} "
-                    f"(the rest of the context); set it to at most {room}."
-                )
             raise InvalidRequestError(
-                f"{exc.message} {advice}", param="max_tokens", code="exceeds_token_limit"
+                _too_large_message(principal.tpm or 0, job, num_choices, max_tokens_given),
+                param="max_tokens",
+                code="exceeds_token_limit",
             ) from exc
         except RateLimitExceededError as exc:
             if exc.retry_after_ms is not None:
@@ -190,12 +205,18 @@ class Admission:
             raise unavailable(exc) from exc
 
     async def enqueue(
-        self, job: Job, tier: TierPolicy, *, headers: dict[str, str] | None = None
+        self,
+        job: Job,
+        tier: TierPolicy,
+        *,
+        headers: dict[str, str] | None = None,
+        check_slo: bool = True,
     ) -> JobStream:
-        """SLO admission, then enqueue; returns the job's result stream."""
+        """SLO admission (unless `check_slo` is False: a request's later choices, whose
+        first tokens are not its TTFT), then enqueue; returns the job's result stream."""
         headers = headers or {}
         try:
-            slo = await self._slo_budget(tier)
+            slo = await self._slo_budget(tier) if check_slo else None
             timeout_ms = None if job.max_queue_ms is None else job.max_queue_ms + self._grace_ms
             try:
                 return await self._jobs.submit_and_wait(job, queue_timeout_ms=timeout_ms, slo=slo)

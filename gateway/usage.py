@@ -67,6 +67,16 @@ class UsageRecord:
     created_at: datetime
     # The choices (`n`) the request asked for; completion_tokens is the sum over them.
     num_choices: int = 1
+    # The output tokens of its longest choice when it had several (None: one choice,
+    # completion_tokens). Its TPOT is that choice's: the choices decode side by side.
+    longest_choice_tokens: int | None = None
+
+    @property
+    def decode_tokens(self) -> int:
+        """The output tokens TPOT divides by (see gateway.observability.slo.tpot_ms)."""
+        if self.longest_choice_tokens is None:
+            return self.completion_tokens
+        return self.longest_choice_tokens
 
 
 _MAX_INT = 2**31 - 1
@@ -110,7 +120,7 @@ def is_record_slo_met(rec: UsageRecord, targets: SloTargets | None) -> bool:
     The dashboard's definition (gateway.observability.slo); migration 0005 evaluated the
     rows written before it with the same rule in SQL.
     """
-    tpot = tpot_ms(rec.e2e_ms, rec.ttft_ms, rec.completion_tokens, rec.num_choices)
+    tpot = tpot_ms(rec.e2e_ms, rec.ttft_ms, rec.decode_tokens)
     return is_slo_met(
         targets or SloTargets(), is_ok=rec.outcome == "ok", ttft_ms=rec.ttft_ms, tpot_ms=tpot
     )
@@ -198,10 +208,10 @@ def _slo_met_sql() -> ColumnElement[bool]:
 
     ttft_slo, tpot_slo = tier_slo(t.ttft_slo_ms), tier_slo(t.tpot_slo_ms)
     decode_ms = case((u.e2e_ms - u.ttft_ms < 0, 0.0), else_=u.e2e_ms - u.ttft_ms)
-    # tpot_ms's decode / (tokens / choices - 1), as decode * choices / (tokens - choices):
-    # no integer division. NULLIF: SQL does not promise to stop at the `<` test first.
-    tpot = decode_ms * u.num_choices / func.nullif(u.completion_tokens - u.num_choices, 0)
-    few_tokens = u.completion_tokens < 2 * u.num_choices
+    tokens = func.coalesce(u.longest_choice_tokens, u.completion_tokens)  # decode_tokens
+    # NULLIF: SQL does not promise to stop at `tokens < 2` before dividing.
+    tpot = decode_ms / func.nullif(tokens - 1, 0)
+    few_tokens = tokens < 2
     met = and_(
         u.outcome == "ok",
         or_(ttft_slo.is_(None), and_(u.ttft_ms.is_not(None), u.ttft_ms <= ttft_slo)),

@@ -122,6 +122,8 @@ class LineRunner:
                 record.prompt_tokens = output.num_prompt_tokens
                 choice_tokens[index] = output.num_output_tokens
                 record.completion_tokens = sum(choice_tokens)
+                if len(choice_tokens) > 1:
+                    record.longest_choice_tokens = max(choice_tokens)
                 choice = choices[index]
                 choice.pieces.append(output.text_delta)
                 choice.logprobs.extend(output.new_logprobs)
@@ -224,6 +226,7 @@ class _Record:
     completion_tokens: int = 0
     first_token_s: float | None = None
     num_choices: int = 1
+    longest_choice_tokens: int | None = None
 
     def finish(self, outcome: str, queue_wait_ms: float | None = None) -> UsageRecord:
         now = time.monotonic()
@@ -243,6 +246,7 @@ class _Record:
             outcome=outcome,
             created_at=datetime.now(UTC),
             num_choices=self.num_choices,
+            longest_choice_tokens=self.longest_choice_tokens,
         )
 
 

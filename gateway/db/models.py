@@ -187,8 +187,10 @@ class UsageRow(Base):
     e2e_ms: Mapped[float] = mapped_column(Float)
     outcome: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
-    # Choices (`n`) of the request: completion_tokens sums them (migration 0007).
+    # Choices (`n`) of the request: completion_tokens sums them, and the longest one's
+    # tokens (NULL for one choice) are what its TPOT divides by (migration 0007).
     num_choices: Mapped[int] = mapped_column(SmallInteger, server_default="1")
+    longest_choice_tokens: Mapped[int | None] = mapped_column(Integer)
     # Whether the request met its tier's SLO as the tier stood when the record was
     # written (migration 0005 evaluated older rows against the tiers of that day). NULL:
     # written by a gateway older than 0005 during a rolling upgrade, so neither evaluated

@@ -28,16 +28,14 @@ def is_prompt_served(outcome: str, queue_wait_ms: float | None) -> bool:
     return queue_wait_ms is not None and not outcome.startswith("rejected:")
 
 
-def tpot_ms(
-    e2e_ms: float, ttft_ms: float | None, num_output_tokens: int, num_choices: int = 1
-) -> float | None:
-    """Time per output token after the first: (E2E - TTFT) / (output tokens - 1), per
-    choice (the choices of one request decode side by side: n of them make n tokens in
-    one token's time)."""
-    per_choice = num_output_tokens / num_choices
-    if ttft_ms is None or per_choice < 2:
+def tpot_ms(e2e_ms: float, ttft_ms: float | None, num_output_tokens: int) -> float | None:
+    """Time per output token after the first: (E2E - TTFT) / (output tokens - 1). For a
+    request with several choices, which decode side by side, the output tokens are its
+    longest choice's (UsageRecord.decode_tokens): n choices make n tokens in one token's
+    time, and the longest one spans E2E."""
+    if ttft_ms is None or num_output_tokens < 2:
         return None
-    return max(0.0, e2e_ms - ttft_ms) / (per_choice - 1)
+    return max(0.0, e2e_ms - ttft_ms) / (num_output_tokens - 1)
 
 
 def is_slo_met(

@@ -146,7 +146,9 @@ class FinishedRequest(Protocol):
     ttft_ms: float | None
     e2e_ms: float
     outcome: str
-    num_choices: int
+
+    @property
+    def decode_tokens(self) -> int: ...
 
 
 class TierLike(Protocol):
@@ -391,7 +393,7 @@ class Telemetry:
         if outcome.startswith("rejected"):
             refusal_code = outcome.partition(":")[2] or "unknown"
         is_ok = outcome == "ok"
-        tpot = tpot_ms(record.e2e_ms, record.ttft_ms, record.completion_tokens, record.num_choices)
+        tpot = tpot_ms(record.e2e_ms, record.ttft_ms, record.decode_tokens)
         targets = self._slo_targets.get(record.tier, SloTargets())
         # A client that went away is neither a hit nor a miss: it did not wait for one.
         is_counted = outcome != "aborted"

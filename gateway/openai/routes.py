@@ -173,6 +173,7 @@ class _Exchange:
             outcome=outcome,
             created_at=datetime.now(UTC),
             num_choices=len(self.choice_tokens),
+            longest_choice_tokens=max(self.choice_tokens) if len(self.choice_tokens) > 1 else None,
         )
 
 
@@ -266,9 +267,9 @@ class OpenAIRoutes:
             await self._finish_aborted(exchange)
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         except QueueTimeoutError as exc:
-            # Refused, not failed: dropped unserved after the tier's queue limit. Other
-            # choices of the request may have started: they stop too.
-            self._cancel_soon(exchange.job_ids[1:])
+            # Refused, not failed: dropped unserved after the tier's queue limit. Any of
+            # the request's choices may be the one dropped; the others stop too.
+            self._cancel_soon(exchange.job_ids)
             self._finish(exchange, f"rejected:{error_code(exc)}")
             if self.deps.admission is None:
                 raise
@@ -312,8 +313,13 @@ class OpenAIRoutes:
         )
         headers = reservation.status.headers()
         try:
+            # The request's TTFT is its first choice's first token: SLO admission checks
+            # that one. Checked too, each later choice would count the ones before it as
+            # work ahead and refuse a request an idle fleet serves at once.
             await self._enqueue_all(
-                exchange, jobs, lambda job: admission.enqueue(job, tier, headers=headers)
+                exchange,
+                jobs,
+                lambda job: admission.enqueue(job, tier, headers=headers, check_slo=job is jobs[0]),
             )
         except BaseException:
             admission.release_soon(reservation, 0)
@@ -388,6 +394,7 @@ class OpenAIRoutes:
 
     def _refuse_unfittable(self, parsed: CompletionRequest | ChatCompletionRequest) -> None:
         if isinstance(parsed, ChatCompletionRequest):
+            self._refuse_too_many_messages(parsed)
             num_chars, param = sum(len(m.content) for m in parsed.messages), "messages"
         elif isinstance(parsed.prompt, str):
             num_chars, param = len(parsed.prompt), "prompt"
@@ -397,6 +404,22 @@ class OpenAIRoutes:
         # Twice the bound: it only has to stop absurd inputs, never a prompt that fits.
         if num_chars > 2 * max_model_len * self.deps.model.tokenizer.max_token_chars:
             raise PromptTooLongError(num_chars=num_chars, max_model_len=max_model_len, param=param)
+
+    def _refuse_too_many_messages(self, parsed: ChatCompletionRequest) -> None:
+        """Empty messages have no characters, so the bound above lets any number of them
+        through, yet each is rendered by the template and tokenized: a 4 MB body of
+        140,000 took 5 s of CPU to be refused as too long, before any rate limit counted
+        it. The template gives every message at least one token (its role), so more
+        messages than twice the context cannot fit either."""
+        max_model_len = self.deps.model.max_model_len
+        if len(parsed.messages) > 2 * max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {max_model_len} tokens; the "
+                f"request has {len(parsed.messages)} messages, far more than that many "
+                "tokens can hold.",
+                param="messages",
+                code="context_length_exceeded",
+            )
 
     def prompt_token_ids(self, parsed: CompletionRequest | ChatCompletionRequest) -> list[int]:
         """The prompt as token ids (chat template applied); a typed 400 if unusable."""

@@ -1,11 +1,12 @@
-"""Usage: usage_records.num_choices, and prompts never served are not billed.
+"""Usage: the choices of a request, and prompts never served are not billed.
 
-num_choices: how many choices (`n`) a request asked for. A request with n choices runs
-n sequences side by side, and its completion_tokens are the sum over them. Its time per
-output token is the time per token of one choice: (E2E - TTFT) / (completion_tokens /
-num_choices - 1). Without the count, an n = 4 request would read four times faster than
-it ran and meet TPOT SLOs it missed. Rows written before this revision asked for one
-choice: the only kind served then.
+usage_records.num_choices: how many choices (`n`) a request asked for, and
+longest_choice_tokens: the output tokens of its longest choice (NULL with one choice). A
+request with n choices runs n sequences side by side, and its completion_tokens are the
+sum over them. Its time per output token is that of its longest choice, which spans its
+E2E: (E2E - TTFT) / (longest_choice_tokens - 1). Divided by every choice's tokens, an
+n = 4 request would read four times faster than it ran and meet TPOT SLOs it missed.
+Rows written before this revision asked for one choice: the only kind served then.
 
 input_tokens in usage_hourly counted the prompt of every request not refused, including
 requests that never left the queue (their client went away, or they failed, while
@@ -85,10 +86,12 @@ def upgrade() -> None:
         "usage_records",
         sa.Column("num_choices", sa.SmallInteger(), nullable=False, server_default="1"),
     )
+    op.add_column("usage_records", sa.Column("longest_choice_tokens", sa.Integer()))
     _shift_unserved_prompts(-1)
 
 
 def downgrade() -> None:
     _shift_unserved_prompts(+1)
     # ALTER TABLE ... DROP COLUMN, as in 0006 (SQLite 3.35+ has it).
+    op.drop_column("usage_records", "longest_choice_tokens")
     op.drop_column("usage_records", "num_choices")

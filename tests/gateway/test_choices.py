@@ -163,19 +163,28 @@ def test_streamed_chat_choices_match_the_whole_reply(server: ChoiceServer) -> No
 
 
 def test_choices_leave_one_usage_record(server: ChoiceServer) -> None:
+    # Stops make the choices' lengths differ; logprobs count each choice's tokens.
     raw = server.client().completions.with_raw_response.create(
-        model=MODEL, prompt="Count", max_tokens=5, n=4, temperature=1.0
+        model=MODEL,
+        prompt="Count",
+        max_tokens=12,
+        n=4,
+        temperature=1.0,
+        seed=12,
+        logprobs=0,
+        stop=["e", "a"],
     )
     reply = raw.parse()
+    lengths = [len(c.logprobs.tokens) for c in reply.choices]
     request_id = raw.headers["x-request-id"]
     rows = _wait_for_rows(server.database_url, [request_id])
     assert len(rows) == 1
     assert rows[0].outcome == "ok"
     assert rows[0].prompt_tokens == reply.usage.prompt_tokens
-    assert rows[0].completion_tokens == reply.usage.completion_tokens
-    assert rows[0].num_choices == 4  # its TPOT is that of one choice (see gateway.usage)
-    if all(c.finish_reason == "length" for c in reply.choices):
-        assert reply.usage.completion_tokens == 4 * 5
+    assert rows[0].completion_tokens == reply.usage.completion_tokens == sum(lengths)
+    assert rows[0].num_choices == 4
+    # Its TPOT is its longest choice's (gateway.usage.UsageRecord.decode_tokens).
+    assert rows[0].longest_choice_tokens == max(lengths)
 
 
 def test_tpm_reserves_max_tokens_for_every_choice(server: ChoiceServer) -> None:
@@ -184,8 +193,18 @@ def test_tpm_reserves_max_tokens_for_every_choice(server: ChoiceServer) -> None:
     with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(**args, n=4)  # 4 x 20 + the prompt > 60
     assert refused.value.code == "exceeds_token_limit"
+    assert "(prompt + 4 x max_tokens)" in refused.value.message
     assert "lower n" in refused.value.message
     assert len(client.completions.create(**args, n=2).choices) == 2  # 2 x 20 + prompt fits
+
+
+def test_slo_admission_judges_a_request_by_its_first_choice(server: ChoiceServer) -> None:
+    """Its TTFT is the first choice's first token: the later choices queued behind it are
+    no reason to refuse it (an idle server refused this one every time)."""
+    client = server.client(server.new_key("priority"))  # TTFT SLO 500 ms
+    # Checked each, the last choice would see 63 x 150 tokens ahead: seconds of work.
+    reply = client.completions.create(model=MODEL, prompt="hi", max_tokens=150, n=64)
+    assert [c.index for c in reply.choices] == list(range(64))
 
 
 def test_a_client_gone_mid_stream_stops_every_choice(server: ChoiceServer) -> None:
@@ -216,6 +235,52 @@ def test_a_client_gone_mid_stream_stops_every_choice(server: ChoiceServer) -> No
     stats = server.engine.stats()
     assert (stats.num_running, stats.num_waiting) == (0, 0)
     assert stats.num_free_blocks == stats.num_total_blocks
+
+
+@pytest.fixture
+def one_seq_server(tmp_path) -> Iterator[ChoiceServer]:
+    """A server whose engine runs one sequence at a time, with room for long outputs."""
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+    from gateway.app import build_app
+    from gateway.settings import Settings
+
+    settings = Settings(
+        data_dir=tmp_path, admin_token=secrets.token_urlsafe(24), model=MODEL, device="cpu"
+    )
+    config = EngineConfig(
+        model=MODEL, device="cpu", max_model_len=2048, max_num_seqs=1, kv_cache_bytes=32 * 2**20
+    )
+    engine = AsyncEngine(config)
+    thread = ServerThread(build_app(settings, engine=engine))
+    thread.start()
+    try:
+        yield ChoiceServer(
+            f"http://127.0.0.1:{thread.port}", settings.admin_token or "", settings.db_url, engine
+        )
+    finally:
+        thread.stop()
+
+
+def test_a_later_choice_timed_out_in_the_queue_stops_the_first(
+    one_seq_server: ChoiceServer,
+) -> None:
+    server = one_seq_server
+    with server.admin() as admin:
+        tier = admin.post("/tiers", json={"name": "short", "rank": 1, "max_queue_ms": 200})
+        assert tier.status_code == 201, tier.text
+    client = server.client(server.new_key("short"))
+    # Choice 0 runs (seconds of tokens, end of sequence banned); the engine takes a few
+    # more to wait for its only sequence slot, and the rest stay queued past the tier's
+    # queue limit.
+    no_eos = {str(token): -100 for token in server.engine.tokenizer.eos_token_ids}
+    with pytest.raises(openai.RateLimitError) as refused:
+        client.completions.create(model=MODEL, prompt="go", max_tokens=2000, n=8, logit_bias=no_eos)
+    assert refused.value.code == "queue_timeout"
+    deadline = time.monotonic() + 2  # alone, choice 0 would run for seconds more
+    while server.engine.stats().num_running and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.engine.stats().num_running == 0, "a choice ran on for nobody"
 
 
 def test_a_batch_line_takes_n(server: ChoiceServer) -> None:
