@@ -365,6 +365,8 @@ def _listening_socket(settings: Settings) -> socket.socket:
 def _run_server(app: Any, settings: Settings, listener: socket.socket) -> int:
     import uvicorn
 
+    from gateway.http_server import uvicorn_config
+
     class Server(uvicorn.Server):
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
             await super().startup(sockets)
@@ -374,7 +376,8 @@ def _run_server(app: Any, settings: Settings, listener: socket.socket) -> int:
                     "Uvicorn running on http://%s:%d (Press CTRL+C to quit)", host, settings.port
                 )
 
-    config = uvicorn.Config(
+    # Bounded request heads: an unauthenticated client cannot exhaust memory or sockets.
+    config = uvicorn_config(
         app, host=settings.host, port=settings.port, log_level="info", access_log=False
     )
     server = Server(config)

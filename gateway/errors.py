@@ -197,6 +197,11 @@ def error_response(exc: BaseException, *, request_id: str | None = None) -> JSON
             headers=headers,
         )
     message = getattr(exc, "message", None) or str(exc)
+    if type(exc) is scheduler_results.JobFailedError:
+        # A worker's unexpected exception, as repr() (its text, paths, tensor shapes):
+        # the worker logged it with its traceback; the client is told only that it failed.
+        log.warning("a job failed on its worker: %s", message)
+        message = "The server failed while generating this response."
     param = getattr(exc, "param", None)
     code = getattr(exc, "code", None) or kind.code
     retry_after_s = getattr(exc, "retry_after_s", None)

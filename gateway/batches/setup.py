@@ -51,7 +51,9 @@ async def start_batch_api(
     config = DriverConfig(
         lease_s=settings.batch_lease_s,
         limits=ValidationLimits(
-            max_lines=settings.batch_max_lines, max_bytes=settings.batch_max_input_bytes
+            max_lines=settings.batch_max_lines,
+            max_bytes=settings.batch_max_input_bytes,
+            max_body_bytes=settings.max_body_bytes,
         ),
     )
     driver = BatchDriver(store, LineRunner(openai, dispatcher, usage), tiers, config)
