@@ -128,6 +128,8 @@ class BlockManager:
         """
         if not self.enable_prefix_caching or request.block_ids:
             return []
+        if request.needs_prompt_logprobs:
+            return []  # cached positions would never be computed, nor their logprobs
         num_full = (request.num_tokens - 1) // self.block_size
         if num_full == 0:
             return []

@@ -52,6 +52,9 @@ class RequestOutput:
     new_logprobs: tuple[TokenLogprob, ...] = ()
     logprobs_so_far: list[TokenLogprob] = field(default_factory=list, repr=False, compare=False)
     num_logprobs: int = field(default=0, repr=False)
+    # The prompt tokens' log-probabilities (from the second token on), in the request's
+    # first output only, for a request that asks for them.
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -97,6 +100,7 @@ class _Tracked:
     request: Request
     detokenizer: IncrementalDetokenizer
     text_pieces: list[str] = field(default_factory=list)  # the non-empty deltas sent
+    is_prompt_logprobs_sent: bool = False
 
     def output(
         self,
@@ -109,6 +113,12 @@ class _Tracked:
         if text_delta:
             self.text_pieces.append(text_delta)
         request.output_logprobs.extend(new_logprobs)
+        prompt_logprobs = None
+        # With the first token made, the whole prompt has been computed.
+        wanted = request.params.prompt_logprobs is not None and new_token_ids
+        if wanted and not self.is_prompt_logprobs_sent:
+            self.is_prompt_logprobs_sent = True
+            prompt_logprobs = tuple(request.prompt_logprobs)
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -124,6 +134,7 @@ class _Tracked:
             new_logprobs=new_logprobs,
             logprobs_so_far=request.output_logprobs,
             num_logprobs=len(request.output_logprobs),
+            prompt_logprobs=prompt_logprobs,
         )
 
 

@@ -21,6 +21,9 @@ from engine.sampling import OutputCounts, sample, token_logprobs
 
 _NUM_DECODE_GROUPS = 4
 _MIN_DECODES_TO_GROUP = 8
+# Prompt positions whose logits are made at once for prompt log-probabilities: rows x
+# vocabulary floats (512 x 128k x 4 bytes = 256 MiB at most).
+_PROMPT_LOGPROB_ROWS = 512
 _CPU_DEFAULT_KV_CACHE_BYTES = 512 * 2**20
 # Left free on a GPU for activations and the allocator's slack when sizing the cache.
 _CUDA_ACTIVATION_RESERVE_BYTES = 1 * 2**30
@@ -88,6 +91,8 @@ class ModelRunner:
         prefills = [c for c in chunks if c.num_tokens != 1]
         input_ids, positions, meta, logit_rows = self._prepare(decodes, prefills)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if any(c.request.needs_prompt_logprobs for c in chunks):
+            self._prompt_logprobs(decodes, prefills, hidden)
         producing = [c for c in decodes + prefills if c.produces_token]
         if not producing:
             return [None] * len(chunks)
@@ -107,6 +112,35 @@ class ModelRunner:
                 c.request.new_logprob = logprob
         by_chunk = {id(c): t for c, t in zip(producing, tokens, strict=True)}
         return [by_chunk.get(id(c)) for c in chunks]
+
+    def _prompt_logprobs(
+        self, decodes: list[Chunk], prefills: list[Chunk], hidden: torch.Tensor
+    ) -> None:
+        """Append to each asking request the log-probabilities of the prompt tokens its
+        chunk predicts (the hidden state at position p predicts token p + 1). A chunk
+        of one token runs with the decodes; rows are laid out decodes first."""
+        first_rows = {id(c): i for i, c in enumerate(decodes)}
+        row = len(decodes)
+        for c in prefills:
+            first_rows[id(c)] = row
+            row += c.num_tokens
+        for c in decodes + prefills:
+            request = c.request
+            if not request.needs_prompt_logprobs:
+                continue
+            # From the first position not done yet (a recompute after preemption runs
+            # positions again) to the one before the last prompt token.
+            start = len(request.prompt_logprobs)
+            end = min(c.start + c.num_tokens, request.num_prompt_tokens - 1)
+            if not c.start <= start < end:
+                continue
+            for lo in range(start, end, _PROMPT_LOGPROB_ROWS):  # bounds the logits' memory
+                hi = min(lo + _PROMPT_LOGPROB_ROWS, end)
+                first = first_rows[id(c)] + lo - c.start
+                logits = self.model.compute_logits(hidden[first : first + hi - lo])
+                targets = request.prompt_token_ids[lo + 1 : hi + 1]
+                num_top = [request.params.prompt_logprobs] * len(targets)
+                request.prompt_logprobs.extend(token_logprobs(logits, targets, num_top))
 
     def _output_counts(self, producing: list[Chunk]) -> list[torch.Tensor | None] | None:
         """Each penalized request's output token counts (None for the others), kept on

@@ -57,6 +57,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     # None: no log-probabilities; n: each sampled token's, with the n most likely.
     logprobs: int | None = None
+    # None: none for the prompt; n: each prompt token's after the first (the model's
+    # prediction of it from the tokens before), with the n most likely there.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples.
@@ -92,14 +95,16 @@ class SamplingParams:
                     f"{name} must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g}", param=name
                 )
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
-        if self.logprobs is not None and (
-            isinstance(self.logprobs, bool)
-            or not isinstance(self.logprobs, int)
-            or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS
-        ):
-            raise InvalidRequestError(
-                f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}", param="logprobs"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or not 0 <= value <= MAX_TOP_LOGPROBS
+            ):
+                raise InvalidRequestError(
+                    f"{name} must be an integer from 0 to {MAX_TOP_LOGPROBS}", param=name
+                )
 
     @property
     def is_greedy(self) -> bool:
@@ -202,6 +207,19 @@ class Request:
     # none here).
     new_logprob: TokenLogprob | None = field(default=None, repr=False)
     output_logprobs: list[TokenLogprob] = field(default_factory=list, repr=False)
+    # For a request that asks for prompt_logprobs: the runner appends those of prompt
+    # tokens 1, 2, ... as their prefill chunks run (a recompute adds none twice); they
+    # go out with the first output.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list, repr=False)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prefill still has prompt log-probabilities to compute: the request
+        asks for them and not every prompt token after the first has its own yet."""
+        return (
+            self.params.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
+        )
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -28,7 +28,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from engine.errors import EngineDeadError, InvalidRequestError
@@ -352,13 +352,17 @@ class Dispatcher:
                 "resumed_token_ids": job.resumed_token_ids,
             }
             prompt = list(job.prompt_token_ids)
+            params = job.params
+            if job.resumed_token_ids and params.prompt_logprobs is not None:
+                # The prompt's went out with the first token, which an earlier lease sent.
+                params = replace(params, prompt_logprobs=None)
             # Steps that finish while a publish is on its way go out together in the next
             # one: a fast engine costs one round trip per publish, not one per token.
             generate_batches = getattr(self._engine, "generate_batches", None)
             if generate_batches is not None:
-                batches = generate_batches(prompt, job.params, **request)
+                batches = generate_batches(prompt, params, **request)
             else:
-                batches = _batches(self._engine.generate(prompt, job.params, **request))
+                batches = _batches(self._engine.generate(prompt, params, **request))
             async with contextlib.aclosing(batches):
                 async for batch in batches:  # leaving early aborts in the engine
                     # An output means the engine finished a step and took its pending adds.
@@ -369,6 +373,14 @@ class Dispatcher:
                     logprobs = [
                         lp for output in batch for lp in getattr(output, "new_logprobs", ())
                     ]
+                    prompt_logprobs = next(
+                        (
+                            output.prompt_logprobs
+                            for output in batch
+                            if getattr(output, "prompt_logprobs", None) is not None
+                        ),
+                        None,
+                    )
                     if finish_reason is not None:
                         if finish_reason != "length":
                             # Before the client hears of the end, so that its next
@@ -377,7 +389,7 @@ class Dispatcher:
                         reported = True
                     if new_ids or text or finish_reason is not None:
                         published = await self._publish_step(
-                            running, new_ids, text, finish_reason, logprobs
+                            running, new_ids, text, finish_reason, logprobs, prompt_logprobs
                         )
                         if not published:
                             return  # cancelled, or reclaimed by another worker
@@ -421,6 +433,7 @@ class Dispatcher:
         text: str,
         finish_reason: str | None,
         logprobs: Sequence[TokenLogprob] = (),
+        prompt_logprobs: Sequence[TokenLogprob] | None = None,
     ) -> bool:
         """Publish one step (QueueBackend.publish_step), with the lease's queue wait on
         its first; False when this worker no longer holds the job."""
@@ -431,7 +444,7 @@ class Dispatcher:
             text,
             finish_reason=finish_reason or "",
             queue_wait_ms=running.queue_wait_ms,
-            logprobs=encode_logprobs(logprobs),
+            logprobs=encode_logprobs(logprobs, prompt_logprobs),
         )
 
     # ----------------------------------------------------------------- heartbeat

@@ -48,8 +48,14 @@ class Job:
         # A shallow dict: asdict() deep-copies the token tuples, which dominated the
         # queue's client-side cost.
         data: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
-        # asdict() deep-copies too; the params are flat, so a field read is enough.
-        data["params"] = {f.name: getattr(self.params, f.name) for f in fields(self.params)}
+        # asdict() deep-copies too; the params are flat, so a field read is enough. Fields
+        # at their default are left out: from_json restores them, and a worker of the
+        # release before, which lacks a newer field, still reads every job that does not
+        # use it (a rolling upgrade runs both).
+        params = self.params
+        data["params"] = {
+            f.name: value for f in fields(params) if (value := getattr(params, f.name)) != f.default
+        }
         return json.dumps(data, separators=(",", ":"))
 
     @classmethod
@@ -57,7 +63,11 @@ class Job:
         data = json.loads(raw)
         p = data.pop("params")
         params = SamplingParams(
-            **{**p, "stop": tuple(p["stop"]), "stop_token_ids": tuple(p["stop_token_ids"])}
+            **{
+                **p,
+                "stop": tuple(p.get("stop", ())),
+                "stop_token_ids": tuple(p.get("stop_token_ids", ())),
+            }
         )
         return cls(
             **{

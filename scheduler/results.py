@@ -120,6 +120,8 @@ class StreamOutput:
     num_output_tokens: int
     # The new tokens' log-probabilities, for a job that asked for them.
     new_logprobs: tuple[TokenLogprob, ...] = ()
+    # The prompt's (from its second token on), in the first output of a job that asked.
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 _END = object()
@@ -213,6 +215,7 @@ class JobStream:
         self.dispatched_s = min(now_s, self.enqueued_s + event.queue_wait_ms / 1000.0)
 
     def _output(self, event: ResultEvent, *, finished: bool) -> StreamOutput:
+        logprobs, prompt_logprobs = decode_logprobs(event.logprobs)
         return StreamOutput(
             new_token_ids=event.token_ids,
             text_delta=event.text,
@@ -220,7 +223,8 @@ class JobStream:
             finish_reason=event.finish_reason or None if finished else None,
             num_prompt_tokens=self.job.num_prompt_tokens,
             num_output_tokens=self.num_output_tokens,
-            new_logprobs=decode_logprobs(event.logprobs),
+            new_logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _error(self, event: ResultEvent) -> BaseException:

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -101,7 +102,7 @@ def _check(events: list, reference: tuple[list[int], str]) -> None:
     assert events[-1].kind is EventKind.DONE, events[-1]
     assert [t for e in events for t in e.token_ids] == tokens  # no duplicate, no gap
     assert "".join(e.text for e in events) == text
-    assert sum(len(decode_logprobs(e.logprobs)) for e in events) == len(tokens)
+    assert sum(len(decode_logprobs(e.logprobs)[0]) for e in events) == len(tokens)
 
 
 async def _reclaim_everything(backend: MemoryBackend) -> list[str]:
@@ -268,3 +269,32 @@ def test_seeded_output_survives_preemption_and_resume(reference) -> None:
     assert resumed[-1].token_ids == tokens
     assert sent + "".join(o.text_delta for o in resumed) == text
     assert len(resumed[-1].logprobs) == len(tokens) - cut
+
+
+async def test_the_prompts_logprobs_go_out_once_across_leases(engine) -> None:
+    """They travel with a job's first token: a lease that resumes after streamed tokens
+    (here: the first worker drained away mid-run) does not send them again."""
+    backend = MemoryBackend(TIERS)
+    await backend.enqueue(replace(_job("moved"), params=replace(SEEDED, prompt_logprobs=1)))
+    other_engine = AsyncEngine(_config(max_num_seqs=4))  # the other worker's
+    other_engine.start()
+    first = Dispatcher(backend, engine, worker_id="w1", config=NO_HEARTBEAT)
+    second = Dispatcher(backend, other_engine, worker_id="w2", config=NO_HEARTBEAT)
+
+    async def move_at_10(num_tokens: int) -> None:
+        if num_tokens >= 10 and first.is_running:
+            await first.aclose(0)  # hands the job back; the other worker resumes it
+            second.start()
+
+    first.start()
+    try:
+        events = await asyncio.wait_for(_events(backend, "moved", move_at_10), 30)
+    finally:
+        await first.aclose(0)
+        await second.aclose(0)
+        other_engine.shutdown()
+    assert events[-1].kind is EventKind.DONE
+    assert second.num_dispatched == 1
+    sent = [p for e in events if (p := decode_logprobs(e.logprobs)[1]) is not None]
+    assert len(sent) == 1
+    assert [lp.token_id for lp in sent[0]] == list(PROMPT[1:])

@@ -29,6 +29,7 @@ from gateway.openai.choices import (
     first_queue_wait_ms,
     merge_choices,
 )
+from gateway.openai.logprobs import EchoedPrompt
 from gateway.openai.responses import FinishedChoice, ResponseShape, Usage
 from gateway.openai.schemas import parse_chat_request, parse_completion_request
 from gateway.tiers import TierPolicy
@@ -103,7 +104,9 @@ class LineRunner:
         chat = endpoint == CHAT_ENDPOINT
         record = _Record(request_id, principal.tenant_id, tier.name, self.model_name, started_s)
         try:
-            jobs = await self._admit(request_id, principal, tier, body_json, deadline_s, chat=chat)
+            jobs, echoed = await self._admit(
+                request_id, principal, tier, body_json, deadline_s, chat=chat
+            )
         except (GatewayError, EngineError) as exc:
             self._finished(record.finish(f"rejected:{error_code(exc)}"))
             return error_outcome(request_id, exc)
@@ -127,6 +130,8 @@ class LineRunner:
                 choice = choices[index]
                 choice.pieces.append(output.text_delta)
                 choice.logprobs.extend(output.new_logprobs)
+                if output.prompt_logprobs is not None:
+                    choice.prompt_logprobs = output.prompt_logprobs
                 if output.finished and output.finish_reason is not None:
                     choice.finish_reason = str(output.finish_reason)
         except (RequestAbortedError, EngineDeadError):
@@ -149,16 +154,20 @@ class LineRunner:
         return LineOutcome(
             200,
             request_id,
-            shape.full([self._choice(c, jobs[0], chat=chat) for c in choices], usage),
+            shape.full(
+                [self._choice(c, jobs[0], chat=chat, echoed=echoed) for c in choices], usage
+            ),
             record.prompt_tokens,
             record.completion_tokens,
         )
 
-    def _choice(self, choice: CollectedChoice, job: Job, *, chat: bool) -> FinishedChoice:
-        logprobs = None
-        if job.params.logprobs is not None:
-            logprobs = self._routes.logprobs_writer(chat=chat).body(choice.logprobs)
-        return FinishedChoice(choice.text, choice.finish_reason, logprobs)
+    def _choice(
+        self, choice: CollectedChoice, job: Job, *, chat: bool, echoed: EchoedPrompt | None
+    ) -> FinishedChoice:
+        with_logprobs = job.params.logprobs is not None
+        return self._routes.finished_choice(
+            choice, with_logprobs=with_logprobs, chat=chat, echoed=echoed
+        )
 
     def _cancel_choices(self, job_ids: list[str]) -> None:
         """A line with several choices that ends early stops all of them (one job
@@ -192,8 +201,9 @@ class LineRunner:
         deadline_s: float,
         *,
         chat: bool,
-    ) -> list[Job]:
-        """The jobs of the line's choices, admitted as the live endpoint admits them."""
+    ) -> tuple[list[Job], EchoedPrompt | None]:
+        """The jobs of the line's choices, admitted as the live endpoint admits them, and
+        what `echo` puts before each choice's text."""
         # The live endpoint's own steps, in its order (see gateway.openai.routes._serve).
         body = body_json.encode("utf-8")
         parsed = parse_chat_request(body) if chat else parse_completion_request(body)
@@ -212,7 +222,8 @@ class LineRunner:
             request_id, principal, tier, prompt_ids, params, time.time(), options
         )
         # The deadline is the batch's (creation + window), not this line's arrival + window.
-        return choice_jobs(replace(job, deadline_s=deadline_s), options.n)
+        jobs = choice_jobs(replace(job, deadline_s=deadline_s), options.n)
+        return jobs, routes.echoed_prompt(parsed, prompt_ids)
 
 
 @dataclass

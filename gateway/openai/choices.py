@@ -48,6 +48,7 @@ class CollectedChoice:
     pieces: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # for echo with logprobs
 
     @property
     def text(self) -> str:

@@ -15,7 +15,9 @@ likely keeps the key.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from engine.request import TokenLogprob
@@ -45,6 +47,16 @@ class TokenTexts:
         return known
 
 
+@dataclass(frozen=True)
+class EchoedPrompt:
+    """The prompt `echo` puts before a completion: its text, its tokens and how much of
+    that text each token releases (where the next one starts)."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    num_text_chars: tuple[int, ...]
+
+
 class LogprobsWriter:
     """One response's logprobs objects; a stream asks for one per chunk, and text
     offsets run on from chunk to chunk."""
@@ -54,8 +66,36 @@ class LogprobsWriter:
         self._chat = chat
         self._text_offset = 0
 
-    def body(self, logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
-        return self._chat_body(logprobs) if self._chat else self._completion_body(logprobs)
+    def body(
+        self,
+        logprobs: Sequence[TokenLogprob],
+        *,
+        echoed: tuple[EchoedPrompt, Sequence[TokenLogprob]] | None = None,
+    ) -> dict[str, Any]:
+        """The logprobs of `logprobs`' tokens; with `echoed` (a text completion's prompt
+        and its tokens' log-probabilities from the second on), the prompt's first."""
+        if self._chat:
+            return self._chat_body(logprobs)
+        if echoed is None:
+            return self._completion_body(logprobs)
+        whole = self.prompt_body(*echoed)
+        for key, values in self._completion_body(logprobs).items():
+            whole[key] += values
+        return whole
+
+    def prompt_body(self, prompt: EchoedPrompt, logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
+        """A text completion's logprobs for its echoed prompt. Nothing predicts the first
+        token: its log-probability and top tokens are null, as OpenAI writes them. The
+        completion's offsets then run on from the end of the prompt's text."""
+        # Where each token starts: the text the tokens before it released.
+        offsets = list(itertools.accumulate(prompt.num_text_chars[:-1], initial=0))
+        self._text_offset = len(prompt.text)
+        return {
+            "tokens": [self._texts(token)[0] for token in prompt.token_ids],
+            "token_logprobs": [None, *(lp.logprob for lp in logprobs)],
+            "top_logprobs": [None, *(self._top_object(lp) for lp in logprobs)],
+            "text_offset": offsets,
+        }
 
     def _chat_body(self, logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
         return {

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol, TypeVar
@@ -49,7 +49,8 @@ from gateway.openai.choices import (
     first_queue_wait_ms,
     merge_choices,
 )
-from gateway.openai.logprobs import LogprobsWriter, TokenTexts
+from gateway.openai.echo import echoed_prompt
+from gateway.openai.logprobs import EchoedPrompt, LogprobsWriter, TokenTexts
 from gateway.openai.responses import SSE_DONE, FinishedChoice, ResponseShape, Usage
 from gateway.openai.schemas import (
     ChatCompletionRequest,
@@ -81,6 +82,10 @@ class Tokenizer(Protocol):
     vocab_size: int
 
     def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+    def detokenizer(self, prompt_token_ids: Sequence[int], stop: Sequence[str] = ()) -> Any: ...
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]: ...
 
@@ -238,6 +243,7 @@ class OpenAIRoutes:
             params = self.sampling_params(options, len(prompt_ids), chat=chat)
             job = build_job(request_id, principal, tier, prompt_ids, params, arrival_s, options)
             exchange.choice_tokens = [0] * options.n
+            echoed = self.echoed_prompt(parsed, prompt_ids)
             headers = await self._admit(
                 exchange,
                 choice_jobs(job, options.n),
@@ -282,21 +288,50 @@ class OpenAIRoutes:
         if options.stream:
             exchange.is_stream = True
             return StreamingResponse(
-                self._stream(exchange, shape, first, outputs, options),
+                self._stream(exchange, shape, first, outputs, options, echoed),
                 media_type="text/event-stream",
                 headers={"cache-control": "no-cache", **headers},
             )
         self._finish(exchange, "ok")
         usage = Usage(exchange.num_prompt_tokens, exchange.num_completion_tokens)
-        choices = [self._finished_choice(c, options, chat=chat) for c in collected]
+        choices = [
+            self.finished_choice(
+                c, with_logprobs=options.logprobs is not None, chat=chat, echoed=echoed
+            )
+            for c in collected
+        ]
         return JSONResponse(shape.full(choices, usage), headers=headers)
 
-    def _finished_choice(
-        self, choice: CollectedChoice, options: GenerationOptions, *, chat: bool
+    def finished_choice(
+        self,
+        choice: CollectedChoice,
+        *,
+        with_logprobs: bool,
+        chat: bool,
+        echoed: EchoedPrompt | None = None,
     ) -> FinishedChoice:
-        writer = self._writer(options, chat=chat)
-        logprobs = writer and writer.body(choice.logprobs)
-        return FinishedChoice(choice.text, choice.finish_reason, logprobs)
+        """A whole response's choice, with the echoed prompt before its text."""
+        text = choice.text if echoed is None else echoed.text + choice.text
+        logprobs = None
+        if with_logprobs:
+            prompt = None if echoed is None else (echoed, choice.prompt_logprobs or ())
+            logprobs = self.logprobs_writer(chat=chat).body(choice.logprobs, echoed=prompt)
+        return FinishedChoice(text, choice.finish_reason, logprobs)
+
+    def echoed_prompt(
+        self, parsed: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int]
+    ) -> EchoedPrompt | None:
+        """What `echo` puts before each choice (None without it)."""
+        options = parsed.options
+        if not options.echo or not isinstance(parsed, CompletionRequest):
+            return None
+        text = parsed.prompt if isinstance(parsed.prompt, str) else None
+        return echoed_prompt(
+            self.deps.model.tokenizer,
+            prompt_ids,
+            text,
+            with_offsets=options.logprobs is not None,
+        )
 
     async def _admit(
         self, exchange: _Exchange, jobs: list[Job], tier: TierPolicy, *, max_tokens_given: bool
@@ -480,6 +515,8 @@ class OpenAIRoutes:
             logit_bias=options.logit_bias,
             top_k=options.top_k,
             logprobs=options.logprobs,
+            # echo with logprobs reports the prompt tokens' too.
+            prompt_logprobs=options.logprobs if options.echo else None,
         )
 
     async def _collect(
@@ -491,6 +528,8 @@ class OpenAIRoutes:
             choice = choices[index]
             choice.pieces.append(output.text_delta)
             choice.logprobs.extend(output.new_logprobs)
+            if output.prompt_logprobs is not None:
+                choice.prompt_logprobs = output.prompt_logprobs
             if output.finished:
                 choice.finish_reason = _finish_reason(output)
         return choices
@@ -508,6 +547,7 @@ class OpenAIRoutes:
         first: tuple[int, Any] | None,
         outputs: AsyncIterator[tuple[int, Any]],
         options: GenerationOptions,
+        echoed: EchoedPrompt | None = None,
     ) -> AsyncIterator[bytes]:
         outcome = "aborted"
         include_usage = options.include_usage
@@ -516,6 +556,9 @@ class OpenAIRoutes:
         # Log-probabilities of tokens whose text is held back wait for the next chunk of
         # their choice.
         pending: list[list[TokenLogprob]] = [[] for _ in range(num_choices)]
+        # With echo, each choice's first chunk is the prompt, sent with its first output
+        # (which brings the prompt's log-probabilities).
+        to_echo = set(range(num_choices)) if echoed is not None else set()
         try:
             if shape.chat:
                 for index in range(num_choices):
@@ -525,6 +568,17 @@ class OpenAIRoutes:
             item = first
             while item is not None:
                 index, output = item
+                if index in to_echo and echoed is not None:
+                    to_echo.discard(index)
+                    writer = writers[index]
+                    prompt_logprobs = output.prompt_logprobs or ()
+                    yield shape.chunk(
+                        echoed.text,
+                        None,
+                        index=index,
+                        include_usage=include_usage,
+                        logprobs=writer and writer.prompt_body(echoed, prompt_logprobs),
+                    )
                 self._account(exchange, index, output, is_streamed=True)
                 pending[index].extend(output.new_logprobs)
                 finish_reason = _finish_reason(output) if output.finished else None

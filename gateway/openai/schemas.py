@@ -50,6 +50,7 @@ class GenerationOptions:
     # top_logprobs, or the text endpoint's logprobs).
     logprobs: int | None
     n: int  # choices to generate, each its own job (see gateway.openai.choices)
+    echo: bool  # /v1/completions: the prompt before each choice's text (and logprobs)
     stream: bool
     include_usage: bool
     user: str | None
@@ -179,6 +180,7 @@ def _options(data: dict[str, Any], *, chat: bool) -> GenerationOptions:
         top_k=_top_k(data),
         logprobs=_chat_logprobs(data) if chat else _completion_logprobs(data),
         n=n,
+        echo=_echo(data, chat=chat),
         stream=stream,
         include_usage=include_usage,
         user=_user(data),
@@ -192,7 +194,6 @@ def _options(data: dict[str, Any], *, chat: bool) -> GenerationOptions:
 _UNSUPPORTED = (
     "tools",
     "functions",
-    "echo",
     "min_p",
     "repetition_penalty",
     "min_tokens",
@@ -216,6 +217,15 @@ _DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
 }
 MAX_COMPLETION_LOGPROBS = 5  # the text endpoint's cap
 MAX_TOP_LOGPROBS = 20  # chat's
+
+
+def _echo(data: dict[str, Any], *, chat: bool) -> bool:
+    echo = _optional(data, "echo", bool) or False
+    if echo and chat:
+        raise InvalidRequestError(
+            "echo is a completions field; chat does not take it.", param="echo"
+        )
+    return echo
 
 
 def _choices(data: dict[str, Any]) -> int:

@@ -25,6 +25,9 @@ import openai
 import pytest
 import uvicorn
 
+from tests.conftest import REDIS_URL
+from tests.fleet_processes import delete_redis_prefix
+
 ROOT = Path(__file__).resolve().parents[2]
 TEST_MAX_MODEL_LEN = 256
 TEST_MAX_BODY_BYTES = 64 * 1024
@@ -208,3 +211,72 @@ def paced_tier(admin: Any, **fields: Any) -> str:
     tier = {"name": name, "rank": 9, "preemptible": True, "max_concurrency": 1, **fields}
     admin.post("/tiers", json=tier).raise_for_status()
     return name
+
+
+@dataclass
+class QueueServer:
+    """A live server (see queue_server) and what the tests reach it with."""
+
+    base_url: str
+    admin_token: str
+    database_url: str
+    engine: Any
+    key: str = ""
+
+    def client(self, key: str | None = None) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=f"{self.base_url}/v1", api_key=key or self.key, max_retries=0, timeout=60
+        )
+
+    def admin(self) -> httpx.Client:
+        return httpx.Client(
+            base_url=f"{self.base_url}/admin/v1",
+            headers={"authorization": f"Bearer {self.admin_token}"},
+            timeout=30,
+        )
+
+    def new_key(self, tier: str = "interactive", **limits: int) -> str:
+        with self.admin() as admin:
+            name = f"tenant-{uuid.uuid4().hex[:8]}"
+            tenant = admin.post("/tenants", json={"name": name, "tier": tier, **limits})
+            tenant.raise_for_status()
+            key = admin.post(f"/tenants/{tenant.json()['id']}/keys", json={})
+            key.raise_for_status()
+            return key.json()["secret"]
+
+
+@pytest.fixture(scope="module", params=["memory", "redis"])
+def queue_server(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[QueueServer]:
+    """A live server on SQLite with the in-memory queue, then with the Redis one (a key
+    prefix of its own), and one interactive tenant's key."""
+    from gateway.app import build_app
+    from gateway.settings import Settings
+
+    prefix = f"{{tgqueue-{uuid.uuid4().hex[:10]}}}:"
+    redis_url = REDIS_URL if request.param == "redis" else None
+    data_dir: Path = tmp_path_factory.mktemp("queue-data")
+    settings = Settings(
+        data_dir=data_dir,
+        redis_url=redis_url,
+        redis_prefix=prefix,
+        admin_token=secrets.token_urlsafe(24),
+        model="tiny-random",
+        device="cpu",
+        usage_flush_interval_s=0.05,
+    )
+    engine = build_test_engine()
+    thread = ServerThread(build_app(settings, engine=engine))
+    thread.start()
+    served = QueueServer(
+        f"http://127.0.0.1:{thread.port}",
+        settings.admin_token or "",
+        settings.db_url,
+        engine,
+    )
+    try:
+        served.key = served.new_key()
+        yield served
+    finally:
+        thread.stop()
+        if redis_url is not None:
+            delete_redis_prefix(REDIS_URL, prefix)

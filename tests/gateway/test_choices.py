@@ -9,10 +9,7 @@ import asyncio
 import json
 import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -23,81 +20,14 @@ from sqlalchemy import select
 from gateway.db.models import UsageRow
 from gateway.db.session import create_db_engine, create_sessionmaker
 from gateway.openai.choices import choice_job_id, choice_jobs, merge_choices
-from tests.conftest import REDIS_URL
-from tests.fleet_processes import delete_redis_prefix
-from tests.gateway.conftest import ServerThread, build_test_engine
+from tests.gateway.conftest import QueueServer, ServerThread
 
 MODEL = "tiny-random"
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
 
 
-@dataclass
-class ChoiceServer:
-    base_url: str
-    admin_token: str
-    database_url: str
-    engine: Any
-    key: str = ""
-
-    def client(self, key: str | None = None) -> openai.OpenAI:
-        return openai.OpenAI(
-            base_url=f"{self.base_url}/v1", api_key=key or self.key, max_retries=0, timeout=60
-        )
-
-    def admin(self) -> httpx.Client:
-        return httpx.Client(
-            base_url=f"{self.base_url}/admin/v1",
-            headers={"authorization": f"Bearer {self.admin_token}"},
-            timeout=30,
-        )
-
-    def new_key(self, tier: str = "interactive", **limits: int) -> str:
-        with self.admin() as admin:
-            name = f"choices-{uuid.uuid4().hex[:8]}"
-            tenant = admin.post("/tenants", json={"name": name, "tier": tier, **limits})
-            tenant.raise_for_status()
-            key = admin.post(f"/tenants/{tenant.json()['id']}/keys", json={})
-            key.raise_for_status()
-            return key.json()["secret"]
-
-
-@pytest.fixture(scope="module", params=["memory", "redis"])
-def server(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[ChoiceServer]:
-    from gateway.app import build_app
-    from gateway.settings import Settings
-
-    prefix = f"{{tgchoices-{uuid.uuid4().hex[:10]}}}:"
-    redis_url = REDIS_URL if request.param == "redis" else None
-    data_dir: Path = tmp_path_factory.mktemp("choices-data")
-    settings = Settings(
-        data_dir=data_dir,
-        redis_url=redis_url,
-        redis_prefix=prefix,
-        admin_token=secrets.token_urlsafe(24),
-        model=MODEL,
-        device="cpu",
-        usage_flush_interval_s=0.05,
-    )
-    engine = build_test_engine()
-    thread = ServerThread(build_app(settings, engine=engine))
-    thread.start()
-    served = ChoiceServer(
-        f"http://127.0.0.1:{thread.port}",
-        settings.admin_token or "",
-        settings.db_url,
-        engine,
-    )
-    try:
-        served.key = served.new_key()
-        yield served
-    finally:
-        thread.stop()
-        if redis_url is not None:
-            delete_redis_prefix(REDIS_URL, prefix)
-
-
-def test_each_choice_is_the_seeded_single_request(server: ChoiceServer) -> None:
-    client = server.client()
+def test_each_choice_is_the_seeded_single_request(queue_server: QueueServer) -> None:
+    client = queue_server.client()
     args = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 1.0}
     whole = client.completions.create(**args, n=3, seed=7)
     assert [c.index for c in whole.choices] == [0, 1, 2]
@@ -111,16 +41,16 @@ def test_each_choice_is_the_seeded_single_request(server: ChoiceServer) -> None:
     assert whole.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
 
 
-def test_a_seed_at_the_end_of_the_range_wraps(server: ChoiceServer) -> None:
-    client = server.client()
+def test_a_seed_at_the_end_of_the_range_wraps(queue_server: QueueServer) -> None:
+    client = queue_server.client()
     args = {"model": MODEL, "prompt": "Hello", "max_tokens": 6, "temperature": 1.0}
     whole = client.completions.create(**args, n=2, seed=2**63 - 1)
     wrapped = client.completions.create(**args, seed=-(2**63))
     assert whole.choices[1].text == wrapped.choices[0].text
 
 
-def test_streamed_chat_choices_match_the_whole_reply(server: ChoiceServer) -> None:
-    client = server.client()
+def test_streamed_chat_choices_match_the_whole_reply(queue_server: QueueServer) -> None:
+    client = queue_server.client()
     args = {
         "model": MODEL,
         "messages": MESSAGES,
@@ -162,9 +92,9 @@ def test_streamed_chat_choices_match_the_whole_reply(server: ChoiceServer) -> No
     assert whole.usage.completion_tokens == sum(len(c.logprobs.content) for c in whole.choices)
 
 
-def test_choices_leave_one_usage_record(server: ChoiceServer) -> None:
+def test_choices_leave_one_usage_record(queue_server: QueueServer) -> None:
     # Stops make the choices' lengths differ; logprobs count each choice's tokens.
-    raw = server.client().completions.with_raw_response.create(
+    raw = queue_server.client().completions.with_raw_response.create(
         model=MODEL,
         prompt="Count",
         max_tokens=12,
@@ -177,7 +107,7 @@ def test_choices_leave_one_usage_record(server: ChoiceServer) -> None:
     reply = raw.parse()
     lengths = [len(c.logprobs.tokens) for c in reply.choices]
     request_id = raw.headers["x-request-id"]
-    rows = _wait_for_rows(server.database_url, [request_id])
+    rows = _wait_for_rows(queue_server.database_url, [request_id])
     assert len(rows) == 1
     assert rows[0].outcome == "ok"
     assert rows[0].prompt_tokens == reply.usage.prompt_tokens
@@ -187,8 +117,8 @@ def test_choices_leave_one_usage_record(server: ChoiceServer) -> None:
     assert rows[0].longest_choice_tokens == max(lengths)
 
 
-def test_tpm_reserves_max_tokens_for_every_choice(server: ChoiceServer) -> None:
-    client = server.client(server.new_key(tpm=60))
+def test_tpm_reserves_max_tokens_for_every_choice(queue_server: QueueServer) -> None:
+    client = queue_server.client(queue_server.new_key(tpm=60))
     args = {"model": MODEL, "prompt": "hi", "max_tokens": 20}
     with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(**args, n=4)  # 4 x 20 + the prompt > 60
@@ -198,17 +128,17 @@ def test_tpm_reserves_max_tokens_for_every_choice(server: ChoiceServer) -> None:
     assert len(client.completions.create(**args, n=2).choices) == 2  # 2 x 20 + prompt fits
 
 
-def test_slo_admission_judges_a_request_by_its_first_choice(server: ChoiceServer) -> None:
+def test_slo_admission_judges_a_request_by_its_first_choice(queue_server: QueueServer) -> None:
     """Its TTFT is the first choice's first token: the later choices queued behind it are
     no reason to refuse it (an idle server refused this one every time)."""
-    client = server.client(server.new_key("priority"))  # TTFT SLO 500 ms
+    client = queue_server.client(queue_server.new_key("priority"))  # TTFT SLO 500 ms
     # Checked each, the last choice would see 63 x 150 tokens ahead: seconds of work.
     reply = client.completions.create(model=MODEL, prompt="hi", max_tokens=150, n=64)
     assert [c.index for c in reply.choices] == list(range(64))
 
 
-def test_a_client_gone_mid_stream_stops_every_choice(server: ChoiceServer) -> None:
-    headers = {"authorization": f"Bearer {server.key}"}
+def test_a_client_gone_mid_stream_stops_every_choice(queue_server: QueueServer) -> None:
+    headers = {"authorization": f"Bearer {queue_server.key}"}
     body = {
         "model": MODEL,
         "prompt": "go",
@@ -218,27 +148,27 @@ def test_a_client_gone_mid_stream_stops_every_choice(server: ChoiceServer) -> No
         "stream": True,
     }
     with httpx.stream(
-        "POST", f"{server.base_url}/v1/completions", headers=headers, json=body, timeout=60
+        "POST", f"{queue_server.base_url}/v1/completions", headers=headers, json=body, timeout=60
     ) as response:
         assert response.status_code == 200
         request_id = response.headers["x-request-id"]
         next(response.iter_lines())  # one event, then hang up
-    rows = _wait_for_rows(server.database_url, [request_id])
+    rows = _wait_for_rows(queue_server.database_url, [request_id])
     assert rows[0].outcome == "aborted"
     assert rows[0].completion_tokens < 3 * 240
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
-        stats = server.engine.stats()
+        stats = queue_server.engine.stats()
         if not stats.num_running and not stats.num_waiting:
             break
         time.sleep(0.05)
-    stats = server.engine.stats()
+    stats = queue_server.engine.stats()
     assert (stats.num_running, stats.num_waiting) == (0, 0)
     assert stats.num_free_blocks == stats.num_total_blocks
 
 
 @pytest.fixture
-def one_seq_server(tmp_path) -> Iterator[ChoiceServer]:
+def one_seq_server(tmp_path) -> Iterator[QueueServer]:
     """A server whose engine runs one sequence at a time, with room for long outputs."""
     from engine.async_engine import AsyncEngine
     from engine.config import EngineConfig
@@ -255,7 +185,7 @@ def one_seq_server(tmp_path) -> Iterator[ChoiceServer]:
     thread = ServerThread(build_app(settings, engine=engine))
     thread.start()
     try:
-        yield ChoiceServer(
+        yield QueueServer(
             f"http://127.0.0.1:{thread.port}", settings.admin_token or "", settings.db_url, engine
         )
     finally:
@@ -263,7 +193,7 @@ def one_seq_server(tmp_path) -> Iterator[ChoiceServer]:
 
 
 def test_a_later_choice_timed_out_in_the_queue_stops_the_first(
-    one_seq_server: ChoiceServer,
+    one_seq_server: QueueServer,
 ) -> None:
     server = one_seq_server
     with server.admin() as admin:
@@ -283,8 +213,8 @@ def test_a_later_choice_timed_out_in_the_queue_stops_the_first(
     assert server.engine.stats().num_running == 0, "a choice ran on for nobody"
 
 
-def test_a_batch_line_takes_n(server: ChoiceServer) -> None:
-    client = server.client(server.new_key("batch"))
+def test_a_batch_line_takes_n(queue_server: QueueServer) -> None:
+    client = queue_server.client(queue_server.new_key("batch"))
     line = {
         "custom_id": "three",
         "method": "POST",
@@ -306,7 +236,7 @@ def test_a_batch_line_takes_n(server: ChoiceServer) -> None:
     assert response["status_code"] == 200
     choices = response["body"]["choices"]
     assert [c["index"] for c in choices] == [0, 1, 2]
-    live = server.client().chat.completions.create(
+    live = queue_server.client().chat.completions.create(
         model=MODEL, messages=MESSAGES, max_tokens=4, n=3, seed=5
     )
     assert [c["message"]["content"] for c in choices] == [c.message.content for c in live.choices]

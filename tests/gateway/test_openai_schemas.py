@@ -211,7 +211,7 @@ def test_chat_messages_and_max_completion_tokens() -> None:
         ({"model": "m", "prompt": "x", "web_search_options": {"a": 1}}, "web_search_options"),
         ({"model": "m", "prompt": "x", "web_search_options": {}}, "web_search_options"),  # on
         ({"model": "m", "prompt": "x", "prediction": {}}, "prediction"),
-        ({"model": "m", "prompt": "x", "echo": True}, "echo"),
+        ({"model": "m", "prompt": "x", "echo": "yes"}, "echo"),
     ],
 )
 def test_bad_completion_bodies_name_the_param(body: dict, param: str) -> None:

@@ -316,7 +316,7 @@ async def test_logprobs_travel_with_their_tokens(backend, make_job) -> None:
     )
     assert await backend.publish_step(job.job_id, "w1", [9], "c", finish_reason="stop")
     first, second, done = [e async for e in backend.results(job.job_id)]
-    assert decode_logprobs(first.logprobs) == sent
+    assert decode_logprobs(first.logprobs) == (sent, None)
     assert (second.token_ids, second.logprobs) == ((9,), "")  # a step without: none stored
     assert done.kind is EventKind.DONE
 

@@ -1,0 +1,120 @@
+"""`echo` on /v1/completions through the official openai client, on the in-memory queue
+and on Redis: the prompt before each choice's text, and with `logprobs` the prompt
+tokens' log-probabilities before the completion's (how evaluation harnesses score a
+text: echo, logprobs, one token), streamed as whole; chat refuses it."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import openai
+import pytest
+
+from tests.gateway.conftest import QueueServer
+
+MODEL = "tiny-random"
+PROMPT_IDS = [301, 17, 240, 33, 501, 12, 9, 88]
+
+
+def test_echo_puts_the_prompt_before_each_choice(queue_server: QueueServer) -> None:
+    client = queue_server.client()
+    args = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 5, "seed": 3, "n": 2}
+    echoed = client.completions.create(**args, echo=True)
+    plain = client.completions.create(**args)
+    for with_prompt, without in zip(echoed.choices, plain.choices, strict=True):
+        assert with_prompt.text == "Once upon a time" + without.text
+    assert echoed.usage == plain.usage  # the echoed prompt is not generated output
+
+
+def test_echo_with_logprobs_scores_every_prompt_token(queue_server: QueueServer) -> None:
+    client = queue_server.client()
+    reply = client.completions.create(
+        model=MODEL, prompt=PROMPT_IDS, max_tokens=1, temperature=0, echo=True, logprobs=2
+    )
+    (choice,) = reply.choices
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(PROMPT_IDS) + 1 == len(lp.token_logprobs) == len(lp.text_offset)
+    assert lp.token_logprobs[0] is None  # nothing predicts the first token
+    assert lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert all(len(top) <= 2 for top in lp.top_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset)
+    assert all(0 <= offset <= len(choice.text) for offset in lp.text_offset)
+    # Each prompt token's score is its log-probability where it is the next token: the
+    # same as a request for the tokens before it whose one output is forced to it.
+    for k in (1, 4, len(PROMPT_IDS) - 1):
+        forced = client.completions.create(
+            model=MODEL,
+            prompt=PROMPT_IDS[:k],
+            max_tokens=1,
+            temperature=0,
+            logprobs=0,
+            logit_bias={str(PROMPT_IDS[k]): 100},
+        )
+        assert lp.token_logprobs[k] == pytest.approx(forced.choices[0].logprobs.token_logprobs[0])
+
+
+def test_a_streamed_echo_is_the_whole_reply(queue_server: QueueServer) -> None:
+    client = queue_server.client()
+    args = {
+        "model": MODEL,
+        "prompt": "Count to three:",
+        "max_tokens": 6,
+        "seed": 8,
+        "n": 2,
+        "echo": True,
+        "logprobs": 1,
+    }
+    whole = client.completions.create(**args)
+    texts: dict[int, str] = {}
+    tokens: dict[int, list[str]] = {}
+    offsets: dict[int, list[int]] = {}
+    for chunk in client.completions.create(**args, stream=True):
+        (choice,) = chunk.choices
+        if choice.index not in texts:  # each choice opens with the prompt
+            assert choice.text == "Count to three:"
+            assert choice.logprobs.token_logprobs[0] is None
+        texts[choice.index] = texts.get(choice.index, "") + choice.text
+        if choice.logprobs is not None:
+            tokens.setdefault(choice.index, []).extend(choice.logprobs.tokens)
+            offsets.setdefault(choice.index, []).extend(choice.logprobs.text_offset)
+    for choice in whole.choices:
+        assert texts[choice.index] == choice.text
+        assert tokens[choice.index] == choice.logprobs.tokens
+        assert offsets[choice.index] == choice.logprobs.text_offset
+
+
+def test_chat_refuses_echo(queue_server: QueueServer) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        queue_server.client().chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=2,
+            extra_body={"echo": True},
+        )
+    assert refused.value.param == "echo"
+
+
+def test_a_batch_line_takes_echo(queue_server: QueueServer) -> None:
+    client = queue_server.client(queue_server.new_key("batch"))
+    body = {"model": MODEL, "prompt": "Score me", "max_tokens": 1, "temperature": 0, "echo": True}
+    body["logprobs"] = 0
+    line = {"custom_id": "e", "method": "POST", "url": "/v1/completions", "body": body}
+    uploaded = client.files.create(file=("in.jsonl", json.dumps(line).encode()), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h"
+    )
+    deadline = time.monotonic() + 60
+    while batch.status not in ("completed", "failed", "expired", "cancelled"):
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.1)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed", batch
+    result = json.loads(client.files.content(batch.output_file_id).text)
+    (choice,) = result["response"]["body"]["choices"]
+    live = queue_server.client().completions.create(**body)
+    assert choice["text"] == live.choices[0].text
+    assert choice["text"].startswith("Score me")
+    assert choice["logprobs"]["token_logprobs"][0] is None
+    assert choice["logprobs"]["tokens"] == live.choices[0].logprobs.tokens
