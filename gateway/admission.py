@@ -166,8 +166,9 @@ class Admission:
         num_choices: int = 1,
         max_tokens_given: bool = True,
     ) -> Reservation:
-        """Take a request and its prompt + num_choices x max_tokens tokens (the prompt
-        is billed once, as OpenAI counts it) from the tenant's limits, or raise
+        """Take a request, its prompt + num_choices x max_tokens tokens (the prompt is
+        billed once, as OpenAI counts it) and a concurrency slot per choice (each runs
+        as a sequence of its own) from the tenant's limits, or raise
         RateLimitedError (429) with the expected wait and the x-ratelimit-* headers
         (InvalidRequestError, 400, if the request exceeds the whole TPM limit: no wait
         would help). `max_tokens_given`: whether the client set max_tokens (else the
@@ -176,9 +177,20 @@ class Admission:
             rpm=principal.rpm, tpm=principal.tpm, max_concurrency=principal.max_concurrency
         )
         num_tokens = job.num_prompt_tokens + num_choices * job.params.max_tokens
+        if limits.max_concurrency is not None and num_choices > limits.max_concurrency:
+            raise InvalidRequestError(
+                f"n={num_choices} choices run as {num_choices} concurrent sequences, more "
+                f"than this key's concurrency limit of {limits.max_concurrency}.",
+                param="n",
+                code="exceeds_concurrency_limit",
+            )
         try:
             reservation = await self._limiter.reserve(
-                principal.tenant_id, limits, num_tokens, hold_ms=self._hold_ms
+                principal.tenant_id,
+                limits,
+                num_tokens,
+                hold_ms=self._hold_ms,
+                num_slots=num_choices,
             )
             self._hold(reservation)
             return reservation

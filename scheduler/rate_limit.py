@@ -1,7 +1,8 @@
 """Per-tenant rate limits: RPM and TPM token buckets and a concurrency cap.
 
 `reserve` atomically takes one request and prompt + max_tokens tokens (and a concurrency
-slot) or refuses without taking anything; `release` at completion frees the slot and
+slot per sequence it runs: a request with n choices takes n) or refuses without taking
+anything; `release` at completion frees the slot and
 refunds the tokens reserved but not used. Concurrent reservations never overshoot: the
 memory limiter runs each decision without yielding, the Redis one in one Lua script.
 
@@ -92,6 +93,16 @@ class Reservation:
     num_tokens: int
     limits: TenantLimits
     status: RateLimitStatus
+    num_slots: int = 1  # concurrency slots held
+
+    @property
+    def slot_ids(self) -> list[str]:
+        """The in-flight entries of its slots: the reservation id, then id#1, id#2..."""
+        return slot_ids(self.reservation_id, self.num_slots)
+
+
+def slot_ids(reservation_id: str, num_slots: int) -> list[str]:
+    return [reservation_id] + [f"{reservation_id}#{i}" for i in range(1, num_slots)]
 
 
 class RateLimitExceededError(Exception):
@@ -183,8 +194,10 @@ class MemoryRateLimiter:
         *,
         reservation_id: str | None = None,
         hold_ms: int = DEFAULT_HOLD_MS,
+        num_slots: int = 1,
     ) -> Reservation:
-        """Take one request and `num_tokens` tokens, or raise RateLimitExceededError."""
+        """Take one request, `num_tokens` tokens and `num_slots` concurrency slots, or
+        raise RateLimitExceededError."""
         now = self._clock_ms()
         rid = reservation_id or uuid.uuid4().hex
         b = self._buckets.setdefault(tenant_id, _Bucket())
@@ -198,7 +211,7 @@ class MemoryRateLimiter:
         cost = num_tokens * UNITS_PER_TOKEN
         if tpm and num_tokens > tpm:
             outcome = "too_large"
-        elif max_conc and len(b.inflight) >= max_conc:
+        elif max_conc and len(b.inflight) + num_slots > max_conc:
             outcome = "concurrency"
         else:
             req_wait = -(-(UNITS_PER_TOKEN - req) // rpm) if rpm and req < UNITS_PER_TOKEN else 0
@@ -211,9 +224,10 @@ class MemoryRateLimiter:
         b.req = req - UNITS_PER_TOKEN if rpm else None
         b.tok = tok - cost if tpm else None
         b.ts_ms = now
-        b.inflight[rid] = now + hold_ms
+        for slot in slot_ids(rid, num_slots):
+            b.inflight[slot] = now + hold_ms
         status = _status(limits, b.req or 0, b.tok or 0)  # a level is None only unlimited
-        return Reservation(rid, tenant_id, num_tokens, limits, status)
+        return Reservation(rid, tenant_id, num_tokens, limits, status, num_slots)
 
     async def renew(self, reservations: Sequence[Reservation], hold_ms: int) -> int:
         """Hold the slots of `reservations` for `hold_ms` from now; how many were still
@@ -224,7 +238,8 @@ class MemoryRateLimiter:
             b = self._buckets.get(reservation.tenant_id)
             until = None if b is None else b.inflight.get(reservation.reservation_id)
             if b is not None and until is not None and until > now:
-                b.inflight[reservation.reservation_id] = now + hold_ms
+                for slot in reservation.slot_ids:
+                    b.inflight[slot] = now + hold_ms
                 renewed += 1
         return renewed
 
@@ -233,6 +248,8 @@ class MemoryRateLimiter:
         b = self._buckets.get(reservation.tenant_id)
         if b is None or b.inflight.pop(reservation.reservation_id, None) is None:
             return False
+        for slot in reservation.slot_ids[1:]:
+            b.inflight.pop(slot, None)
         if b.ts_ms is None:
             return True
         now = self._clock_ms()
@@ -277,7 +294,7 @@ class RedisRateLimiter:
             return 0
         args: list[object] = [self._keys.prefix, self._clock_ms(), hold_ms]
         for reservation in reservations:
-            args += [reservation.tenant_id, reservation.reservation_id]
+            args += [reservation.tenant_id, reservation.reservation_id, reservation.num_slots]
         with unavailable_as_error():
             return int(await run_script(self._renew, self._channel, args))
 
@@ -289,8 +306,9 @@ class RedisRateLimiter:
         *,
         reservation_id: str | None = None,
         hold_ms: int = DEFAULT_HOLD_MS,
+        num_slots: int = 1,
     ) -> Reservation:
-        """Take one request and `num_tokens` tokens, or raise RateLimitExceededError."""
+        """As MemoryRateLimiter.reserve, in one script call (rate_reserve.lua)."""
         rid = reservation_id or uuid.uuid4().hex
         with unavailable_as_error():
             outcome, wait, req, tok, _ = await run_script(
@@ -306,12 +324,13 @@ class RedisRateLimiter:
                     int(num_tokens),
                     rid,
                     hold_ms,
+                    num_slots,
                 ],
             )
         status = _status(limits, int(req), int(tok))
         if outcome != "ok":
             raise _refused(outcome, int(wait), limits, num_tokens, status)
-        return Reservation(rid, tenant_id, num_tokens, limits, status)
+        return Reservation(rid, tenant_id, num_tokens, limits, status, num_slots)
 
     async def release(self, reservation: Reservation, num_used_tokens: int) -> bool:
         """Free the concurrency slot and refund unused tokens; False if already released."""
@@ -328,6 +347,7 @@ class RedisRateLimiter:
                     reservation.limits.tpm or 0,
                     reservation.reservation_id,
                     refund,
+                    reservation.num_slots,
                 ],
             )
         return bool(released)

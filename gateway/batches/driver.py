@@ -8,7 +8,8 @@ resumed batch runs exactly the lines that have no result yet, and each line gets
 result whatever crashes in between.
 
 Driving a batch: validate its input file into line rows, then keep up to
-`max_in_flight` lines submitted through the dispatcher (the queue orders them behind
+`max_in_flight` jobs (a line asking for n choices is n of them) submitted through the
+dispatcher (the queue orders them behind
 interactive work), store each result as it arrives, and end the batch with its output
 and error files: completed, or cancelled / expired with the unfinished lines in the error
 file.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import secrets
@@ -44,6 +46,7 @@ from gateway.db.batch_models import (
 from gateway.db.models import utcnow
 from gateway.errors import NotFoundError
 from gateway.middleware import new_request_id
+from gateway.openai.schemas import MAX_CHOICES
 from gateway.tiers import TierCatalog, TierPolicy
 from scheduler.backend import BackendUnavailableError, QueueFullError, UnknownTierError
 
@@ -61,7 +64,9 @@ class DriverConfig:
     # between their lines by weight).
     max_batches: int = 32
     max_batches_per_tenant: int = 4
-    max_in_flight: int = 64  # lines of one batch submitted at once (the tier may lower it)
+    # Jobs of one batch submitted at once (the tier may lower it): a line with n choices
+    # counts n, so one batch of n=128 lines cannot fill the tier's queue alone.
+    max_in_flight: int = 64
     # A queue that refuses a line (its tier's cap is reached, Redis is away) is asked
     # again after this long; the refused lines stay pending and go first then.
     refused_backoff_s: float = 0.5
@@ -77,6 +82,15 @@ class DriverConfig:
     @property
     def heartbeat_s(self) -> float:
         return min(self.lease_s / 4, 1.0)
+
+
+def line_choices(body_json: str) -> int:
+    """The jobs a line's body asks for: its `n` (validated when it runs; 1 if unusable)."""
+    try:
+        n = json.loads(body_json).get("n")
+    except (ValueError, AttributeError):
+        return 1
+    return n if type(n) is int and 1 <= n <= MAX_CHOICES else 1
 
 
 class BatchDriver:
@@ -202,6 +216,7 @@ class _BatchRun:
         self.owner = driver.owner_id
         self.config = driver.config
         self.in_flight: dict[str, tuple[asyncio.Task[None], int]] = {}  # request id -> line
+        self.num_jobs_in_flight = 0  # their choices, each a job
         self.cursor = -1  # highest line index submitted in this pass
         # Lines the queue refused (still pending, not in flight), retried before new ones.
         self.refused: list[PendingLine] = []
@@ -267,19 +282,18 @@ class _BatchRun:
             await self._load_principal(batch)
         if self.is_suspended:
             return True
-        window = self._window() - len(self.in_flight)
         if time.monotonic() < self.refused_until_s:
             return True  # the queue is full: leave the lines pending a little longer
-        if window > 0 and self.refused:
-            retried, self.refused = self.refused[:window], self.refused[window:]
-            for line in retried:
-                self._submit(batch, line)
-            window -= len(retried)
-        if window > 0:
+        while self.refused and self._fits(self.refused[0]):
+            self._submit(batch, self.refused.pop(0))
+        room = self._window() - self.num_jobs_in_flight
+        if room > 0 and not self.refused:
             lines = await self.store.pending_lines(
-                self.batch_id, after_index=self.cursor, limit=window
+                self.batch_id, after_index=self.cursor, limit=room
             )
             for line in lines:
+                if not self._fits(line):
+                    break  # the rest stay pending, read again once jobs finish
                 self._submit(batch, line)
             if not lines and not self.in_flight and not self.refused:
                 if await self.store.num_pending(self.batch_id) == 0:
@@ -295,14 +309,27 @@ class _BatchRun:
             limit = min(limit, self.tier.max_concurrency)
         return max(1, limit)
 
+    def _fits(self, line: PendingLine) -> bool:
+        """Whether the line's jobs fit in the window (any line does when none runs)."""
+        if not self.in_flight:
+            return True
+        return self.num_jobs_in_flight + line_choices(line.body_json) <= self._window()
+
     def _submit(self, batch: BatchRow, line: PendingLine) -> None:
         request_id = new_request_id()
         self.cursor = max(self.cursor, line.line_index)
         task = asyncio.create_task(
             self._run_line(batch, line, request_id), name=f"batch-line-{request_id}"
         )
+        num_jobs = line_choices(line.body_json)
         self.in_flight[request_id] = (task, line.line_index)
-        task.add_done_callback(lambda _t: self.in_flight.pop(request_id, None))
+        self.num_jobs_in_flight += num_jobs
+
+        def done(_task: asyncio.Task[None]) -> None:
+            self.in_flight.pop(request_id, None)
+            self.num_jobs_in_flight -= num_jobs
+
+        task.add_done_callback(done)
 
     async def _run_line(self, batch: BatchRow, line: PendingLine, request_id: str) -> None:
         if self.principal is None or self.tier is None:
@@ -374,7 +401,7 @@ class _BatchRun:
             finally:
                 poke_task.cancel()
             # Refill the window as soon as lines finish, without waiting for a heartbeat.
-            if len(self.in_flight) < self._window() and self.principal is not None:
+            if self.num_jobs_in_flight < self._window() and self.principal is not None:
                 batch = await self.store.get_batch(self.batch_id)
                 if batch is None or batch.status != IN_PROGRESS:
                     return

@@ -1,17 +1,18 @@
 -- rate_reserve.lua: atomically reserve one request and prompt + max_tokens tokens from a
--- tenant's RPM and TPM buckets and one concurrency slot (mirrors scheduler/rate_limit.py).
+-- tenant's RPM and TPM buckets and its concurrency slots (mirrors scheduler/rate_limit.py).
 -- Bucket levels are integers in 1/60000 of a token (or request), so a bucket of L per
 -- minute refills exactly L units per ms and every wait is exact. A bucket with no limit
 -- keeps no level: a limit set later starts it full, as a new tenant's.
 -- KEYS: none; every key derives from the prefix in ARGV[1] (scheduler/keys.py).
 -- ARGV: 1 prefix, 2 now_ms, 3 tenant, 4 rpm (0 = none), 5 tpm (0 = none),
---       6 max_concurrency (0 = none), 7 tokens to reserve, 8 reservation id, 9 hold_ms
+--       6 max_concurrency (0 = none), 7 tokens to reserve, 8 reservation id, 9 hold_ms,
+--       10 slots (one per sequence: the id's entry, then id#1, id#2, ...)
 -- Returns: {outcome, wait_ms, request units, token units, in flight} where outcome is
 --          'ok', 'requests', 'tokens', 'concurrency' or 'too_large'.
 local U = 60000
 local now, tenant = tonumber(ARGV[2]), ARGV[3]
 local rpm, tpm, max_conc = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-local cost = tonumber(ARGV[7])
+local cost, slots = tonumber(ARGV[7]), tonumber(ARGV[10] or 1)
 local bucket_key, inflight_key = K.rl .. tenant, K.rl_inflight .. tenant
 redis.call('ZREMRANGEBYSCORE', inflight_key, '-inf', now)
 local inflight = redis.call('ZCARD', inflight_key)
@@ -24,7 +25,7 @@ local function reply(outcome, wait)
   return {outcome, tostring(wait), string.format('%d', req), string.format('%d', tok), inflight}
 end
 if tpm > 0 and cost > tpm then return reply('too_large', 0) end
-if max_conc > 0 and inflight >= max_conc then return reply('concurrency', 0) end
+if max_conc > 0 and inflight + slots > max_conc then return reply('concurrency', 0) end
 local req_wait, tok_wait = 0, 0
 if rpm > 0 and req < U then req_wait = math.ceil((U - req) / rpm) end
 if tpm > 0 and tok < cost * U then tok_wait = math.ceil((cost * U - tok) / tpm) end
@@ -42,7 +43,11 @@ else table.insert(unlimited, 'tok') end
 redis.call('HSET', bucket_key, unpack(levels))
 if #unlimited > 0 then redis.call('HDEL', bucket_key, unpack(unlimited)) end
 redis.call('PEXPIRE', bucket_key, 120000)
-redis.call('ZADD', inflight_key, now + tonumber(ARGV[9]), ARGV[8])
+local entries = {now + tonumber(ARGV[9]), ARGV[8]}
+for i = 1, slots - 1 do
+  table.insert(entries, now + tonumber(ARGV[9])); table.insert(entries, ARGV[8] .. '#' .. i)
+end
+redis.call('ZADD', inflight_key, unpack(entries))
 redis.call('PEXPIRE', inflight_key, tonumber(ARGV[9]))
-inflight = inflight + 1
+inflight = inflight + slots
 return reply('ok', 0)

@@ -222,11 +222,19 @@ class QueueServer:
     database_url: str
     engine: Any
     key: str = ""
+    clients: list[openai.OpenAI] = field(default_factory=list)  # closed with the server
 
     def client(self, key: str | None = None) -> openai.OpenAI:
-        return openai.OpenAI(
+        client = openai.OpenAI(
             base_url=f"{self.base_url}/v1", api_key=key or self.key, max_retries=0, timeout=60
         )
+        self.clients.append(client)
+        return client
+
+    def close_clients(self) -> None:
+        for client in self.clients:
+            client.close()
+        self.clients.clear()
 
     def admin(self) -> httpx.Client:
         return httpx.Client(
@@ -277,6 +285,7 @@ def queue_server(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[Q
         served.key = served.new_key()
         yield served
     finally:
+        served.close_clients()
         thread.stop()
         if redis_url is not None:
             delete_redis_prefix(REDIS_URL, prefix)

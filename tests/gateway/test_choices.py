@@ -20,7 +20,7 @@ from sqlalchemy import select
 from gateway.db.models import UsageRow
 from gateway.db.session import create_db_engine, create_sessionmaker
 from gateway.openai.choices import choice_job_id, choice_jobs, merge_choices
-from tests.gateway.conftest import QueueServer, ServerThread
+from tests.gateway.conftest import QueueServer, ServerThread, paced_tier
 
 MODEL = "tiny-random"
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
@@ -128,13 +128,22 @@ def test_tpm_reserves_max_tokens_for_every_choice(queue_server: QueueServer) -> 
     assert len(client.completions.create(**args, n=2).choices) == 2  # 2 x 20 + prompt fits
 
 
+def test_each_choice_takes_a_concurrency_slot(queue_server: QueueServer) -> None:
+    client = queue_server.client(queue_server.new_key(max_concurrency=4))
+    args = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(**args, n=5)  # five sequences at once, never allowed
+    assert (refused.value.param, refused.value.code) == ("n", "exceeds_concurrency_limit")
+    assert len(client.completions.create(**args, n=4).choices) == 4
+
+
 def test_slo_admission_judges_a_request_by_its_first_choice(queue_server: QueueServer) -> None:
     """Its TTFT is the first choice's first token: the later choices queued behind it are
     no reason to refuse it (an idle server refused this one every time)."""
     client = queue_server.client(queue_server.new_key("priority"))  # TTFT SLO 500 ms
-    # Checked each, the last choice would see 63 x 150 tokens ahead: seconds of work.
-    reply = client.completions.create(model=MODEL, prompt="hi", max_tokens=150, n=64)
-    assert [c.index for c in reply.choices] == list(range(64))
+    # Checked each, the last choice would see 31 x 240 tokens ahead: seconds of work.
+    reply = client.completions.create(model=MODEL, prompt="hi", max_tokens=240, n=32)
+    assert [c.index for c in reply.choices] == list(range(32))
 
 
 def test_a_client_gone_mid_stream_stops_every_choice(queue_server: QueueServer) -> None:
@@ -184,11 +193,13 @@ def one_seq_server(tmp_path) -> Iterator[QueueServer]:
     engine = AsyncEngine(config)
     thread = ServerThread(build_app(settings, engine=engine))
     thread.start()
+    server = QueueServer(
+        f"http://127.0.0.1:{thread.port}", settings.admin_token or "", settings.db_url, engine
+    )
     try:
-        yield QueueServer(
-            f"http://127.0.0.1:{thread.port}", settings.admin_token or "", settings.db_url, engine
-        )
+        yield server
     finally:
+        server.close_clients()
         thread.stop()
 
 
@@ -242,6 +253,38 @@ def test_a_batch_line_takes_n(queue_server: QueueServer) -> None:
     assert [c["message"]["content"] for c in choices] == [c.message.content for c in live.choices]
     usage = response["body"]["usage"]
     assert usage["completion_tokens"] == live.usage.completion_tokens
+
+
+def test_a_batch_runs_as_many_choices_at_once_as_its_window(queue_server: QueueServer) -> None:
+    """The window counts jobs: lines of n=3 under a window of 4 run one line at a time
+    (not four lines, twelve jobs, at once)."""
+    with queue_server.admin() as admin:
+        tier = paced_tier(admin, max_concurrency=4)
+    client = queue_server.client(queue_server.new_key(tier))
+    no_eos = {str(t): -100 for t in queue_server.engine.tokenizer.eos_token_ids}
+    body = {"model": MODEL, "prompt": "go", "max_tokens": 40, "n": 3, "logit_bias": no_eos}
+    lines = [
+        {"custom_id": f"l{i}", "method": "POST", "url": "/v1/completions", "body": body}
+        for i in range(4)
+    ]
+    content = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    uploaded = client.files.create(file=("in.jsonl", content), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h"
+    )
+    most = 0
+    deadline = time.monotonic() + 120
+    while batch.status not in ("completed", "failed", "expired", "cancelled"):
+        assert time.monotonic() < deadline, batch
+        stats = queue_server.engine.stats()
+        with queue_server.admin() as admin:
+            queued = admin.get("/queues").json()["tiers"].get(tier, {}).get("queued_jobs", 0)
+        most = max(most, stats.num_running + stats.num_waiting + queued)
+        time.sleep(0.01)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed", batch
+    assert batch.request_counts.completed == 4
+    assert 3 <= most <= 4
 
 
 def _wait_for_rows(database_url: str, request_ids: list[str]) -> list[UsageRow]:

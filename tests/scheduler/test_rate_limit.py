@@ -159,3 +159,21 @@ async def test_a_limit_set_on_an_unlimited_tenant_starts_full(limiter, clock) ->
     # And the token bucket, unlimited meanwhile, starts full when limited again.
     clock.advance(60_000)
     assert (await limiter.reserve("t", unlimited, 1_000)).status.remaining_tokens == 0
+
+
+async def test_a_reservation_holds_a_slot_per_sequence(limiter, clock) -> None:
+    limits = TenantLimits(max_concurrency=4)
+    three = await limiter.reserve("t", limits, 1, hold_ms=1_000, num_slots=3)
+    with pytest.raises(RateLimitExceededError) as refused:
+        await limiter.reserve("t", limits, 1, num_slots=2)  # 3 + 2 > 4
+    assert refused.value.limit == "concurrency"
+    one = await limiter.reserve("t", limits, 1, hold_ms=1_000)  # 3 + 1 fits
+    clock.advance(900)
+    assert await limiter.renew([three], 1_000) == 1  # every slot of it, not only the first
+    clock.advance(500)  # `one` lapsed; the three slots were renewed
+    with pytest.raises(RateLimitExceededError):
+        await limiter.reserve("t", limits, 1, num_slots=2)
+    assert not await limiter.release(one, 0)
+    assert await limiter.release(three, 0)  # all three come free
+    four = await limiter.reserve("t", limits, 1, num_slots=4)
+    assert four.num_slots == 4
