@@ -223,7 +223,7 @@ class LineRunner:
         )
         # The deadline is the batch's (creation + window), not this line's arrival + window.
         jobs = choice_jobs(replace(job, deadline_s=deadline_s), options.n)
-        return jobs, routes.echoed_prompt(parsed, prompt_ids)
+        return jobs, await routes.echoed_prompt(parsed, prompt_ids)
 
 
 @dataclass

@@ -72,6 +72,9 @@ OWN_TIER_ALIASES = frozenset({"auto", "default"})
 # well under a millisecond, less than the hand-over to a thread costs.
 OFF_LOOP_MIN_BODY_BYTES = 32 * 1024
 OFF_LOOP_SLOTS = 2
+# Echoed prompts from this many tokens on have their offsets counted in a worker thread
+# (about 2 us a token: 1,000 tokens cost the event loop 2 ms).
+OFF_LOOP_MIN_ECHO_TOKENS = 1_000
 
 T = TypeVar("T")
 
@@ -243,7 +246,7 @@ class OpenAIRoutes:
             params = self.sampling_params(options, len(prompt_ids), chat=chat)
             job = build_job(request_id, principal, tier, prompt_ids, params, arrival_s, options)
             exchange.choice_tokens = [0] * options.n
-            echoed = self.echoed_prompt(parsed, prompt_ids)
+            echoed = await self.echoed_prompt(parsed, prompt_ids)
             headers = await self._admit(
                 exchange,
                 choice_jobs(job, options.n),
@@ -318,20 +321,21 @@ class OpenAIRoutes:
             logprobs = self.logprobs_writer(chat=chat).body(choice.logprobs, echoed=prompt)
         return FinishedChoice(text, choice.finish_reason, logprobs)
 
-    def echoed_prompt(
+    async def echoed_prompt(
         self, parsed: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int]
     ) -> EchoedPrompt | None:
-        """What `echo` puts before each choice (None without it)."""
+        """What `echo` puts before each choice (None without it). Its offsets cost a few
+        microseconds a token: a long prompt's are counted in a worker thread."""
         options = parsed.options
         if not options.echo or not isinstance(parsed, CompletionRequest):
             return None
         text = parsed.prompt if isinstance(parsed.prompt, str) else None
-        return echoed_prompt(
-            self.deps.model.tokenizer,
-            prompt_ids,
-            text,
-            with_offsets=options.logprobs is not None,
-        )
+        with_offsets = options.logprobs is not None
+        args = (self.deps.model.tokenizer, prompt_ids, text)
+        if not with_offsets or len(prompt_ids) < OFF_LOOP_MIN_ECHO_TOKENS:
+            return echoed_prompt(*args, with_offsets=with_offsets)
+        async with self._off_loop_slots:
+            return await asyncio.to_thread(echoed_prompt, *args, with_offsets=True)
 
     async def _admit(
         self, exchange: _Exchange, jobs: list[Job], tier: TierPolicy, *, max_tokens_given: bool

@@ -118,3 +118,16 @@ def test_a_batch_line_takes_echo(queue_server: QueueServer) -> None:
     assert choice["text"].startswith("Score me")
     assert choice["logprobs"]["token_logprobs"][0] is None
     assert choice["logprobs"]["tokens"] == live.choices[0].logprobs.tokens
+
+
+def test_a_long_prompts_echo_is_counted_off_the_loop_alike(
+    queue_server: QueueServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gateway.openai import routes
+
+    args = {"model": MODEL, "prompt": "héllo wörld 🙂 again", "max_tokens": 1, "temperature": 0}
+    on_loop = queue_server.client().completions.create(**args, echo=True, logprobs=1)
+    monkeypatch.setattr(routes, "OFF_LOOP_MIN_ECHO_TOKENS", 1)  # every prompt is long
+    off_loop = queue_server.client().completions.create(**args, echo=True, logprobs=1)
+    assert off_loop.choices[0].text == on_loop.choices[0].text
+    assert off_loop.choices[0].logprobs == on_loop.choices[0].logprobs
