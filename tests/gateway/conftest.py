@@ -8,6 +8,7 @@ the real admin API.
 
 from __future__ import annotations
 
+import json
 import secrets
 import socket
 import subprocess
@@ -72,6 +73,16 @@ class LiveServer:
             headers={"authorization": f"Bearer {self.admin_token}"},
             timeout=30,
         )
+
+    def new_key(self, tier: str = "interactive", **limits: int) -> str:
+        """The key of a new tenant of `tier` with `limits` (its objects its own)."""
+        with self.admin() as admin:
+            name = f"tenant-{uuid.uuid4().hex[:8]}"
+            tenant = admin.post("/tenants", json={"name": name, "tier": tier, **limits})
+            tenant.raise_for_status()
+            key = admin.post(f"/tenants/{tenant.json()['id']}/keys", json={})
+            key.raise_for_status()
+            return key.json()["secret"]
 
 
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])
@@ -213,48 +224,8 @@ def paced_tier(admin: Any, **fields: Any) -> str:
     return name
 
 
-@dataclass
-class QueueServer:
-    """A live server (see queue_server) and what the tests reach it with."""
-
-    base_url: str
-    admin_token: str
-    database_url: str
-    engine: Any
-    key: str = ""
-    clients: list[openai.OpenAI] = field(default_factory=list)  # closed with the server
-
-    def client(self, key: str | None = None) -> openai.OpenAI:
-        client = openai.OpenAI(
-            base_url=f"{self.base_url}/v1", api_key=key or self.key, max_retries=0, timeout=60
-        )
-        self.clients.append(client)
-        return client
-
-    def close_clients(self) -> None:
-        for client in self.clients:
-            client.close()
-        self.clients.clear()
-
-    def admin(self) -> httpx.Client:
-        return httpx.Client(
-            base_url=f"{self.base_url}/admin/v1",
-            headers={"authorization": f"Bearer {self.admin_token}"},
-            timeout=30,
-        )
-
-    def new_key(self, tier: str = "interactive", **limits: int) -> str:
-        with self.admin() as admin:
-            name = f"tenant-{uuid.uuid4().hex[:8]}"
-            tenant = admin.post("/tenants", json={"name": name, "tier": tier, **limits})
-            tenant.raise_for_status()
-            key = admin.post(f"/tenants/{tenant.json()['id']}/keys", json={})
-            key.raise_for_status()
-            return key.json()["secret"]
-
-
 @pytest.fixture(scope="module", params=["memory", "redis"])
-def queue_server(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[QueueServer]:
+def queue_server(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[LiveServer]:
     """A live server on SQLite with the in-memory queue, then with the Redis one (a key
     prefix of its own), and one interactive tenant's key."""
     from gateway.app import build_app
@@ -275,17 +246,31 @@ def queue_server(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[Q
     engine = build_test_engine()
     thread = ServerThread(build_app(settings, engine=engine))
     thread.start()
-    served = QueueServer(
-        f"http://127.0.0.1:{thread.port}",
-        settings.admin_token or "",
-        settings.db_url,
-        engine,
+    served = LiveServer(
+        f"http://127.0.0.1:{thread.port}", settings.admin_token or "", settings.db_url, engine
     )
     try:
-        served.key = served.new_key()
+        served.keys["interactive"] = served.new_key()
         yield served
     finally:
         served.close_clients()
         thread.stop()
         if redis_url is not None:
             delete_redis_prefix(REDIS_URL, prefix)
+
+
+def run_one_line_batch(client: openai.OpenAI, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """Run a batch of one line with `body` for `url` to completion; its response."""
+    line = {"custom_id": "only", "method": "POST", "url": url, "body": body}
+    uploaded = client.files.create(file=("in.jsonl", json.dumps(line).encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint=url, completion_window="24h")
+    deadline = time.monotonic() + 60
+    while batch.status not in ("completed", "failed", "expired", "cancelled"):
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.1)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed", batch
+    (result,) = [
+        json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()
+    ]
+    return result["response"]

@@ -5,19 +5,16 @@ text: echo, logprobs, one token), streamed as whole; chat refuses it."""
 
 from __future__ import annotations
 
-import json
-import time
-
 import openai
 import pytest
 
-from tests.gateway.conftest import QueueServer
+from tests.gateway.conftest import LiveServer, run_one_line_batch
 
 MODEL = "tiny-random"
 PROMPT_IDS = [301, 17, 240, 33, 501, 12, 9, 88]
 
 
-def test_echo_puts_the_prompt_before_each_choice(queue_server: QueueServer) -> None:
+def test_echo_puts_the_prompt_before_each_choice(queue_server: LiveServer) -> None:
     client = queue_server.client()
     args = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 5, "seed": 3, "n": 2}
     echoed = client.completions.create(**args, echo=True)
@@ -27,7 +24,7 @@ def test_echo_puts_the_prompt_before_each_choice(queue_server: QueueServer) -> N
     assert echoed.usage == plain.usage  # the echoed prompt is not generated output
 
 
-def test_echo_with_logprobs_scores_every_prompt_token(queue_server: QueueServer) -> None:
+def test_echo_with_logprobs_scores_every_prompt_token(queue_server: LiveServer) -> None:
     client = queue_server.client()
     reply = client.completions.create(
         model=MODEL, prompt=PROMPT_IDS, max_tokens=1, temperature=0, echo=True, logprobs=2
@@ -55,7 +52,7 @@ def test_echo_with_logprobs_scores_every_prompt_token(queue_server: QueueServer)
         assert lp.token_logprobs[k] == pytest.approx(forced.choices[0].logprobs.token_logprobs[0])
 
 
-def test_a_streamed_echo_is_the_whole_reply(queue_server: QueueServer) -> None:
+def test_a_streamed_echo_is_the_whole_reply(queue_server: LiveServer) -> None:
     client = queue_server.client()
     args = {
         "model": MODEL,
@@ -85,7 +82,7 @@ def test_a_streamed_echo_is_the_whole_reply(queue_server: QueueServer) -> None:
         assert offsets[choice.index] == choice.logprobs.text_offset
 
 
-def test_chat_refuses_echo(queue_server: QueueServer) -> None:
+def test_chat_refuses_echo(queue_server: LiveServer) -> None:
     with pytest.raises(openai.BadRequestError) as refused:
         queue_server.client().chat.completions.create(
             model=MODEL,
@@ -96,23 +93,12 @@ def test_chat_refuses_echo(queue_server: QueueServer) -> None:
     assert refused.value.param == "echo"
 
 
-def test_a_batch_line_takes_echo(queue_server: QueueServer) -> None:
+def test_a_batch_line_takes_echo(queue_server: LiveServer) -> None:
     client = queue_server.client(queue_server.new_key("batch"))
     body = {"model": MODEL, "prompt": "Score me", "max_tokens": 1, "temperature": 0, "echo": True}
     body["logprobs"] = 0
-    line = {"custom_id": "e", "method": "POST", "url": "/v1/completions", "body": body}
-    uploaded = client.files.create(file=("in.jsonl", json.dumps(line).encode()), purpose="batch")
-    batch = client.batches.create(
-        input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h"
-    )
-    deadline = time.monotonic() + 60
-    while batch.status not in ("completed", "failed", "expired", "cancelled"):
-        assert time.monotonic() < deadline, batch
-        time.sleep(0.1)
-        batch = client.batches.retrieve(batch.id)
-    assert batch.status == "completed", batch
-    result = json.loads(client.files.content(batch.output_file_id).text)
-    (choice,) = result["response"]["body"]["choices"]
+    response = run_one_line_batch(client, "/v1/completions", body)
+    (choice,) = response["body"]["choices"]
     live = queue_server.client().completions.create(**body)
     assert choice["text"] == live.choices[0].text
     assert choice["text"].startswith("Score me")
@@ -121,7 +107,7 @@ def test_a_batch_line_takes_echo(queue_server: QueueServer) -> None:
 
 
 def test_a_long_prompts_echo_is_counted_off_the_loop_alike(
-    queue_server: QueueServer, monkeypatch: pytest.MonkeyPatch
+    queue_server: LiveServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from gateway.openai import routes
 

@@ -323,17 +323,7 @@ async def test_a_queue_timeout_is_a_refusal_with_the_expected_wait(cap_server: C
         _assert_retry_after(refused.value)
         assert refused.value.response.headers["x-ratelimit-limit-requests"] == "1000"
         # Counted as a refusal in the usage report, and no tokens billed.
-        async with cap_server.admin() as admin:
-            deadline_s = time.monotonic() + 10
-            while True:
-                report = await admin.get("/usage", params={"tier": name})
-                report.raise_for_status()
-                lines = report.json()["data"]
-                if lines and lines[0]["requests"] == 1:
-                    break
-                assert time.monotonic() < deadline_s, "the usage record never arrived"
-                await asyncio.sleep(0.1)
-        [line] = lines
+        line = await _usage_line(cap_server, name, "requests")
         assert line["refusals"] == 1
         assert (line["input_tokens"], line["output_tokens"]) == (0, 0)
     finally:
@@ -360,17 +350,7 @@ async def test_a_request_given_up_while_queued_is_not_billed(cap_server: CapServ
                 await _until_queued(admin, name, 0)
         finally:
             cap_server.engine.is_paused = False
-        async with cap_server.admin() as admin:
-            deadline_s = time.monotonic() + 10
-            while True:
-                report = await admin.get("/usage", params={"tier": name})
-                report.raise_for_status()
-                lines = report.json()["data"]
-                if lines and lines[0]["aborted"] == 1:
-                    break
-                assert time.monotonic() < deadline_s, "the usage record never arrived"
-                await asyncio.sleep(0.1)
-        [line] = lines
+        line = await _usage_line(cap_server, name, "aborted")
         assert (line["requests"], line["input_tokens"], line["output_tokens"]) == (1, 0, 0)
         # The whole reservation came back (a charged 40-token prompt would take 40 s).
         raw = await client.completions.with_raw_response.create(
@@ -381,3 +361,18 @@ async def test_a_request_given_up_while_queued_is_not_billed(cap_server: CapServ
         assert remaining >= 60 - (reply.usage.prompt_tokens + 4) - 1
     finally:
         await client.close()
+
+
+async def _usage_line(cap_server: CapServer, tier: str, count: str) -> dict[str, Any]:
+    """The usage report's one line for `tier`, once its `count` reads 1."""
+    async with cap_server.admin() as admin:
+        deadline_s = time.monotonic() + 10
+        while True:
+            report = await admin.get("/usage", params={"tier": tier})
+            report.raise_for_status()
+            lines = report.json()["data"]
+            if lines and lines[0][count] == 1:
+                (line,) = lines
+                return line
+            assert time.monotonic() < deadline_s, "the usage record never arrived"
+            await asyncio.sleep(0.1)
