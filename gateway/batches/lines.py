@@ -29,6 +29,7 @@ from gateway.openai.choices import (
     first_queue_wait_ms,
     merge_choices,
 )
+from gateway.openai.jobs import build_job, check_choices
 from gateway.openai.logprobs import EchoedPrompt
 from gateway.openai.responses import FinishedChoice, ResponseShape, Usage
 from gateway.openai.schemas import parse_chat_request, parse_completion_request
@@ -215,12 +216,10 @@ class LineRunner:
         # above the tenant's); an allowed one changes nothing: lines run at the batch's.
         await routes.resolve_tier(principal, options.service_tier)
         routes.check_model(options.model)
-        openai_routes.check_choices(options.n, tier)
+        check_choices(options.n, tier)
         prompt_ids = await routes.prompt_token_ids_off_loop(parsed, len(body))
         params = routes.sampling_params(options, len(prompt_ids), chat=chat)
-        job = openai_routes.build_job(
-            request_id, principal, tier, prompt_ids, params, time.time(), options
-        )
+        job = build_job(request_id, principal, tier, prompt_ids, params, time.time(), options)
         # The deadline is the batch's (creation + window), not this line's arrival + window.
         jobs = choice_jobs(replace(job, deadline_s=deadline_s), options.n)
         return jobs, await routes.echoed_prompt(parsed, prompt_ids)

@@ -13,8 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import anyio
@@ -41,15 +40,12 @@ from gateway.errors import (
     error_response,
 )
 from gateway.middleware import request_id_of
-from gateway.observability import RequestTimeline, Telemetry
+from gateway.observability import Telemetry
 from gateway.observability.slo import is_prompt_served
-from gateway.openai.choices import (
-    CollectedChoice,
-    choice_jobs,
-    first_queue_wait_ms,
-    merge_choices,
-)
+from gateway.openai.choices import CollectedChoice, choice_jobs, merge_choices
 from gateway.openai.echo import echoed_prompt
+from gateway.openai.exchange import Exchange
+from gateway.openai.jobs import build_job, check_choices
 from gateway.openai.logprobs import EchoedPrompt, LogprobsWriter, TokenTexts
 from gateway.openai.responses import SSE_DONE, FinishedChoice, ResponseShape, Usage
 from gateway.openai.schemas import (
@@ -60,9 +56,8 @@ from gateway.openai.schemas import (
     parse_completion_request,
 )
 from gateway.tiers import TierCatalog, TierPolicy
-from gateway.usage import UsageRecord, UsageWriter
+from gateway.usage import UsageWriter
 from scheduler.job import Job
-from scheduler.rate_limit import Reservation
 from scheduler.results import JobClient, JobStream, QueueTimeoutError
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -118,73 +113,6 @@ class ClientDisconnectedError(Exception):
     """The client closed the connection before its response was complete."""
 
 
-@dataclass
-class _Exchange:
-    """One admitted request's accounting, turned into a UsageRecord at the end."""
-
-    request_id: str
-    principal: Principal
-    tier: str
-    model: str
-    started_s: float  # monotonic
-    num_prompt_tokens: int = 0
-    # Each choice's output tokens so far; a request has one choice per job.
-    choice_tokens: list[int] = field(default_factory=lambda: [0])
-    first_token_s: float | None = None
-    streams: list[JobStream] = field(default_factory=list)  # one per choice
-    # The exchange is created right after authentication, so this marks its end.
-    authenticated_s: float = field(default_factory=time.monotonic)
-    last_token_s: float | None = None
-    is_stream: bool = False
-    reservation: Reservation | None = None
-
-    @property
-    def num_completion_tokens(self) -> int:
-        return sum(self.choice_tokens)
-
-    @property
-    def job_ids(self) -> list[str]:
-        return [stream.job.job_id for stream in self.streams]
-
-    def _dispatched_s(self) -> float | None:
-        # The request's work began when its first choice left the queue.
-        started = [s.dispatched_s for s in self.streams if s.dispatched_s is not None]
-        return min(started, default=None)
-
-    def timeline(self) -> RequestTimeline:
-        return RequestTimeline(
-            started_s=self.started_s,
-            authenticated_s=self.authenticated_s,
-            enqueued_s=self.streams[0].enqueued_s if self.streams else None,
-            dispatched_s=self._dispatched_s(),
-            first_token_s=self.first_token_s,
-            last_token_s=self.last_token_s,
-            finished_s=time.monotonic(),
-            is_stream=self.is_stream,
-        )
-
-    def record(self, outcome: str) -> UsageRecord:
-        now = time.monotonic()
-        ttft_ms = None
-        if self.first_token_s is not None:
-            ttft_ms = (self.first_token_s - self.started_s) * 1000.0
-        return UsageRecord(
-            request_id=self.request_id,
-            tenant_id=self.principal.tenant_id,
-            tier=self.tier,
-            model=self.model,
-            prompt_tokens=self.num_prompt_tokens,
-            completion_tokens=self.num_completion_tokens,
-            queue_wait_ms=first_queue_wait_ms(self.streams),
-            ttft_ms=ttft_ms,
-            e2e_ms=(now - self.started_s) * 1000.0,
-            outcome=outcome,
-            created_at=datetime.now(UTC),
-            num_choices=len(self.choice_tokens),
-            longest_choice_tokens=max(self.choice_tokens) if len(self.choice_tokens) > 1 else None,
-        )
-
-
 class OpenAIRoutes:
     """The handlers; one instance per app, holding only its dependencies."""
 
@@ -230,7 +158,7 @@ class OpenAIRoutes:
         arrival_s = time.time()
         request_id = request_id_of(request.scope)
         principal = await self.deps.auth.authenticate(request.headers.get("authorization"))
-        exchange = _Exchange(
+        exchange = Exchange(
             request_id, principal, principal.tier.name, self.deps.model.model_name, started_s
         )
         try:
@@ -338,7 +266,7 @@ class OpenAIRoutes:
             return await asyncio.to_thread(echoed_prompt, *args, with_offsets=True)
 
     async def _admit(
-        self, exchange: _Exchange, jobs: list[Job], tier: TierPolicy, *, max_tokens_given: bool
+        self, exchange: Exchange, jobs: list[Job], tier: TierPolicy, *, max_tokens_given: bool
     ) -> dict[str, str]:
         """Rate limits, SLO admission, enqueue of each choice's job; returns the
         x-ratelimit-* headers. One refusal refuses the request: choices already queued
@@ -368,7 +296,7 @@ class OpenAIRoutes:
 
     async def _enqueue_all(
         self,
-        exchange: _Exchange,
+        exchange: Exchange,
         jobs: list[Job],
         enqueue: Callable[[Job], Awaitable[JobStream]],
     ) -> None:
@@ -524,7 +452,7 @@ class OpenAIRoutes:
         )
 
     async def _collect(
-        self, exchange: _Exchange, outputs: AsyncIterator[tuple[int, Any]]
+        self, exchange: Exchange, outputs: AsyncIterator[tuple[int, Any]]
     ) -> list[CollectedChoice]:
         choices = [CollectedChoice() for _ in exchange.choice_tokens]
         async for index, output in outputs:
@@ -546,7 +474,7 @@ class OpenAIRoutes:
 
     async def _stream(
         self,
-        exchange: _Exchange,
+        exchange: Exchange,
         shape: ResponseShape,
         first: tuple[int, Any] | None,
         outputs: AsyncIterator[tuple[int, Any]],
@@ -629,7 +557,7 @@ class OpenAIRoutes:
         return None if options.logprobs is None else self.logprobs_writer(chat=chat)
 
     def _account(
-        self, exchange: _Exchange, index: int, output: Any, *, is_streamed: bool = False
+        self, exchange: Exchange, index: int, output: Any, *, is_streamed: bool = False
     ) -> None:
         """Counts and token times of one output of choice `index`; a stream marks its
         first token where it sends it (see _stream), a full response at the first token
@@ -641,7 +569,7 @@ class OpenAIRoutes:
         exchange.num_prompt_tokens = output.num_prompt_tokens
         exchange.choice_tokens[index] = output.num_output_tokens
 
-    def _finish(self, exchange: _Exchange, outcome: str) -> None:
+    def _finish(self, exchange: Exchange, outcome: str) -> None:
         """Leave the request's usage record and report it to telemetry (once per request)."""
         record = exchange.record(outcome)
         if self.deps.admission is not None and exchange.reservation is not None:
@@ -656,11 +584,11 @@ class OpenAIRoutes:
         if self.deps.telemetry is not None:
             self.deps.telemetry.request_finished(record, exchange.timeline())
 
-    async def _finish_aborted(self, exchange: _Exchange) -> None:
+    async def _finish_aborted(self, exchange: Exchange) -> None:
         await self._cancel_quietly(exchange)
         self._finish(exchange, "aborted")
 
-    async def _cancel_quietly(self, exchange: _Exchange) -> None:
+    async def _cancel_quietly(self, exchange: Exchange) -> None:
         """Cancel the jobs of a client that went away. Nobody is left to answer, so a
         queue that cannot be reached is logged (the dispatcher tries again later)."""
         await asyncio.gather(*(self._cancel_job_quietly(job_id) for job_id in exchange.job_ids))
@@ -718,45 +646,3 @@ async def _next_or_none(outputs: AsyncIterator[Any]) -> Any:
 def _finish_reason(output: Any) -> str | None:
     reason = output.finish_reason
     return None if reason is None else str(reason)
-
-
-def check_choices(n: int, tier: TierPolicy) -> None:
-    """A 400 for more choices than the tier's queue can ever hold: each is a job, so
-    such a request would be refused as queue_full however long the client waited."""
-    cap = tier.max_queued_jobs
-    if cap is not None and n > cap:
-        raise InvalidRequestError(
-            f"n={n} is more choices than the {tier.name!r} tier queues at once ({cap}).",
-            param="n",
-        )
-
-
-def build_job(
-    request_id: str,
-    principal: Principal,
-    tier: TierPolicy,
-    prompt_ids: list[int],
-    params: SamplingParams,
-    arrival_s: float,
-    options: GenerationOptions,
-) -> Job:
-    deadline_s = None
-    if tier.completion_window_s is not None:
-        deadline_s = arrival_s + tier.completion_window_s
-    metadata = {"user": options.user} if options.user else {}
-    return Job(
-        job_id=request_id,
-        tenant_id=principal.tenant_id,
-        tier=tier.name,
-        rank=tier.rank,
-        weight=principal.weight,
-        prompt_token_ids=tuple(prompt_ids),
-        params=params,
-        arrival_s=arrival_s,
-        ttft_slo_ms=tier.ttft_slo_ms,
-        tpot_slo_ms=tier.tpot_slo_ms,
-        max_queue_ms=tier.max_queue_ms,
-        deadline_s=deadline_s,
-        preemptible=tier.preemptible,
-        metadata=metadata,
-    )

@@ -1,0 +1,82 @@
+"""One admitted request's accounting: its choices' streams and token counts, its
+timeline for telemetry, and the UsageRecord it leaves when it ends."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from gateway.auth import Principal
+from gateway.observability import RequestTimeline
+from gateway.openai.choices import first_queue_wait_ms
+from gateway.usage import UsageRecord
+from scheduler.rate_limit import Reservation
+from scheduler.results import JobStream
+
+
+@dataclass
+class Exchange:
+    """One admitted request's accounting, turned into a UsageRecord at the end."""
+
+    request_id: str
+    principal: Principal
+    tier: str
+    model: str
+    started_s: float  # monotonic
+    num_prompt_tokens: int = 0
+    # Each choice's output tokens so far; a request has one choice per job.
+    choice_tokens: list[int] = field(default_factory=lambda: [0])
+    first_token_s: float | None = None
+    streams: list[JobStream] = field(default_factory=list)  # one per choice
+    # The exchange is created right after authentication, so this marks its end.
+    authenticated_s: float = field(default_factory=time.monotonic)
+    last_token_s: float | None = None
+    is_stream: bool = False
+    reservation: Reservation | None = None
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(self.choice_tokens)
+
+    @property
+    def job_ids(self) -> list[str]:
+        return [stream.job.job_id for stream in self.streams]
+
+    def _dispatched_s(self) -> float | None:
+        # The request's work began when its first choice left the queue.
+        started = [s.dispatched_s for s in self.streams if s.dispatched_s is not None]
+        return min(started, default=None)
+
+    def timeline(self) -> RequestTimeline:
+        return RequestTimeline(
+            started_s=self.started_s,
+            authenticated_s=self.authenticated_s,
+            enqueued_s=self.streams[0].enqueued_s if self.streams else None,
+            dispatched_s=self._dispatched_s(),
+            first_token_s=self.first_token_s,
+            last_token_s=self.last_token_s,
+            finished_s=time.monotonic(),
+            is_stream=self.is_stream,
+        )
+
+    def record(self, outcome: str) -> UsageRecord:
+        now = time.monotonic()
+        ttft_ms = None
+        if self.first_token_s is not None:
+            ttft_ms = (self.first_token_s - self.started_s) * 1000.0
+        return UsageRecord(
+            request_id=self.request_id,
+            tenant_id=self.principal.tenant_id,
+            tier=self.tier,
+            model=self.model,
+            prompt_tokens=self.num_prompt_tokens,
+            completion_tokens=self.num_completion_tokens,
+            queue_wait_ms=first_queue_wait_ms(self.streams),
+            ttft_ms=ttft_ms,
+            e2e_ms=(now - self.started_s) * 1000.0,
+            outcome=outcome,
+            created_at=datetime.now(UTC),
+            num_choices=len(self.choice_tokens),
+            longest_choice_tokens=max(self.choice_tokens) if len(self.choice_tokens) > 1 else None,
+        )

@@ -1,0 +1,52 @@
+"""The job a validated request becomes, and the checks on it that need its tier."""
+
+from __future__ import annotations
+
+from engine.request import SamplingParams
+from gateway.auth import Principal
+from gateway.errors import InvalidRequestError
+from gateway.openai.schemas import GenerationOptions
+from gateway.tiers import TierPolicy
+from scheduler.job import Job
+
+
+def check_choices(n: int, tier: TierPolicy) -> None:
+    """A 400 for more choices than the tier's queue can ever hold: each is a job, so
+    such a request would be refused as queue_full however long the client waited."""
+    cap = tier.max_queued_jobs
+    if cap is not None and n > cap:
+        raise InvalidRequestError(
+            f"n={n} is more choices than the {tier.name!r} tier queues at once ({cap}).",
+            param="n",
+        )
+
+
+def build_job(
+    request_id: str,
+    principal: Principal,
+    tier: TierPolicy,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    arrival_s: float,
+    options: GenerationOptions,
+) -> Job:
+    deadline_s = None
+    if tier.completion_window_s is not None:
+        deadline_s = arrival_s + tier.completion_window_s
+    metadata = {"user": options.user} if options.user else {}
+    return Job(
+        job_id=request_id,
+        tenant_id=principal.tenant_id,
+        tier=tier.name,
+        rank=tier.rank,
+        weight=principal.weight,
+        prompt_token_ids=tuple(prompt_ids),
+        params=params,
+        arrival_s=arrival_s,
+        ttft_slo_ms=tier.ttft_slo_ms,
+        tpot_slo_ms=tier.tpot_slo_ms,
+        max_queue_ms=tier.max_queue_ms,
+        deadline_s=deadline_s,
+        preemptible=tier.preemptible,
+        metadata=metadata,
+    )
