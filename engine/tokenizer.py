@@ -101,6 +101,17 @@ class Tokenizer:
             return _encode(self._rust, text, add_special_tokens)
         return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
 
+    def token_starts(self, text: str) -> list[int] | None:
+        """Where each token of `encode(text)` starts in `text`, in characters (a token
+        the tokenizer adds, as BOS, starts at 0); None without a fast tokenizer."""
+        if self._rust is None:
+            return None
+        if len(text) < _GIL_FREE_MIN_CHARS:
+            encoding = self._rust.encode(text, add_special_tokens=True)
+        else:
+            encoding = self._rust.encode_batch([text], add_special_tokens=True)[0]
+        return [start for start, _ in encoding.offsets]
+
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         if self._rust_decode is None:
             return self._hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

@@ -177,13 +177,6 @@ class Admission:
             rpm=principal.rpm, tpm=principal.tpm, max_concurrency=principal.max_concurrency
         )
         num_tokens = job.num_prompt_tokens + num_choices * job.params.max_tokens
-        if limits.max_concurrency is not None and num_choices > limits.max_concurrency:
-            raise InvalidRequestError(
-                f"n={num_choices} choices run as {num_choices} concurrent sequences, more "
-                f"than this key's concurrency limit of {limits.max_concurrency}.",
-                param="n",
-                code="exceeds_concurrency_limit",
-            )
         try:
             reservation = await self._limiter.reserve(
                 principal.tenant_id,

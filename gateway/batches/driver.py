@@ -304,10 +304,14 @@ class _BatchRun:
         return True
 
     def _window(self) -> int:
-        limit = self.config.max_in_flight
+        """Jobs in flight at most: the driver's cap, within the tenant's concurrency
+        limit (its own, else its tier's) and the batch tier's."""
+        limits = [self.config.max_in_flight]
+        if self.principal is not None and self.principal.max_concurrency:
+            limits.append(self.principal.max_concurrency)
         if self.tier is not None and self.tier.max_concurrency:
-            limit = min(limit, self.tier.max_concurrency)
-        return max(1, limit)
+            limits.append(self.tier.max_concurrency)
+        return max(1, min(limits))
 
     def _fits(self, line: PendingLine) -> bool:
         """Whether the line's jobs fit in the window (any line does when none runs)."""

@@ -216,7 +216,7 @@ class LineRunner:
         # above the tenant's); an allowed one changes nothing: lines run at the batch's.
         await routes.resolve_tier(principal, options.service_tier)
         routes.check_model(options.model)
-        check_choices(options.n, tier)
+        check_choices(options.n, tier, principal)
         prompt_ids = await routes.prompt_token_ids_off_loop(parsed, len(body))
         params = routes.sampling_params(options, len(prompt_ids), chat=chat)
         job = build_job(request_id, principal, tier, prompt_ids, params, time.time(), options)

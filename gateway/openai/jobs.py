@@ -10,14 +10,23 @@ from gateway.tiers import TierPolicy
 from scheduler.job import Job
 
 
-def check_choices(n: int, tier: TierPolicy) -> None:
-    """A 400 for more choices than the tier's queue can ever hold: each is a job, so
-    such a request would be refused as queue_full however long the client waited."""
+def check_choices(n: int, tier: TierPolicy, principal: Principal) -> None:
+    """A 400 for more choices than could ever run: each is a job the tier's queue must
+    hold, and a sequence that takes one of the tenant's concurrency slots; refused as
+    "not now" (429), the request would be refused however long the client waited."""
     cap = tier.max_queued_jobs
     if cap is not None and n > cap:
         raise InvalidRequestError(
             f"n={n} is more choices than the {tier.name!r} tier queues at once ({cap}).",
             param="n",
+        )
+    slots = principal.max_concurrency
+    if slots is not None and n > slots:
+        raise InvalidRequestError(
+            f"n={n} choices run as {n} concurrent sequences, more than this key's "
+            f"concurrency limit of {slots}.",
+            param="n",
+            code="exceeds_concurrency_limit",
         )
 
 

@@ -15,7 +15,6 @@ likely keeps the key.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -49,12 +48,12 @@ class TokenTexts:
 
 @dataclass(frozen=True)
 class EchoedPrompt:
-    """The prompt `echo` puts before a completion: its text, its tokens and how much of
-    that text each token releases (where the next one starts)."""
+    """The prompt `echo` puts before a completion: its text, its tokens and where each
+    token starts in that text."""
 
     text: str
     token_ids: tuple[int, ...]
-    num_text_chars: tuple[int, ...]
+    text_offsets: tuple[int, ...]
 
 
 class LogprobsWriter:
@@ -87,14 +86,12 @@ class LogprobsWriter:
         """A text completion's logprobs for its echoed prompt. Nothing predicts the first
         token: its log-probability and top tokens are null, as OpenAI writes them. The
         completion's offsets then run on from the end of the prompt's text."""
-        # Where each token starts: the text the tokens before it released.
-        offsets = list(itertools.accumulate(prompt.num_text_chars[:-1], initial=0))
         self._text_offset = len(prompt.text)
         return {
             "tokens": [self._texts(token)[0] for token in prompt.token_ids],
             "token_logprobs": [None, *(lp.logprob for lp in logprobs)],
             "top_logprobs": [None, *(self._top_object(lp) for lp in logprobs)],
-            "text_offset": offsets,
+            "text_offset": list(prompt.text_offsets),
         }
 
     def _chat_body(self, logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:

@@ -168,7 +168,7 @@ class OpenAIRoutes:
             tier = await self.resolve_tier(principal, options.service_tier)
             exchange.tier = tier.name
             self.check_model(options.model)
-            check_choices(options.n, tier)
+            check_choices(options.n, tier, principal)
             prompt_ids = await self.prompt_token_ids_off_loop(parsed, len(body))
             exchange.num_prompt_tokens = len(prompt_ids)
             params = self.sampling_params(options, len(prompt_ids), chat=chat)

@@ -260,7 +260,8 @@ def queue_server(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[L
 
 
 def run_one_line_batch(client: openai.OpenAI, url: str, body: dict[str, Any]) -> dict[str, Any]:
-    """Run a batch of one line with `body` for `url` to completion; its response."""
+    """Run a batch of one line with `body` for `url` to completion; the line's result
+    (its `response`, or its `error` if refused)."""
     line = {"custom_id": "only", "method": "POST", "url": url, "body": body}
     uploaded = client.files.create(file=("in.jsonl", json.dumps(line).encode()), purpose="batch")
     batch = client.batches.create(input_file_id=uploaded.id, endpoint=url, completion_window="24h")
@@ -270,7 +271,6 @@ def run_one_line_batch(client: openai.OpenAI, url: str, body: dict[str, Any]) ->
         time.sleep(0.1)
         batch = client.batches.retrieve(batch.id)
     assert batch.status == "completed", batch
-    (result,) = [
-        json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()
-    ]
-    return result["response"]
+    file_id = batch.output_file_id or batch.error_file_id
+    (result,) = [json.loads(x) for x in client.files.content(file_id).text.splitlines()]
+    return result

@@ -135,6 +135,11 @@ def test_each_choice_takes_a_concurrency_slot(queue_server: LiveServer) -> None:
         client.completions.create(**args, n=5)  # five sequences at once, never allowed
     assert (refused.value.param, refused.value.code) == ("n", "exceeds_concurrency_limit")
     assert len(client.completions.create(**args, n=4).choices) == 4
+    # A batch line is admitted as the live request is.
+    batch_client = queue_server.client(queue_server.new_key("batch", max_concurrency=4))
+    line = run_one_line_batch(batch_client, "/v1/completions", {**args, "n": 5})
+    assert line["response"]["status_code"] == 400
+    assert line["response"]["body"]["error"]["code"] == "exceeds_concurrency_limit"
 
 
 def test_slo_admission_judges_a_request_by_its_first_choice(queue_server: LiveServer) -> None:
@@ -227,7 +232,7 @@ def test_a_later_choice_timed_out_in_the_queue_stops_the_first(
 def test_a_batch_line_takes_n(queue_server: LiveServer) -> None:
     client = queue_server.client(queue_server.new_key("batch"))
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "n": 3, "seed": 5}
-    response = run_one_line_batch(client, "/v1/chat/completions", body)
+    response = run_one_line_batch(client, "/v1/chat/completions", body)["response"]
     assert response["status_code"] == 200
     choices = response["body"]["choices"]
     assert [c["index"] for c in choices] == [0, 1, 2]

@@ -97,7 +97,7 @@ def test_a_batch_line_takes_echo(queue_server: LiveServer) -> None:
     client = queue_server.client(queue_server.new_key("batch"))
     body = {"model": MODEL, "prompt": "Score me", "max_tokens": 1, "temperature": 0, "echo": True}
     body["logprobs"] = 0
-    response = run_one_line_batch(client, "/v1/completions", body)
+    response = run_one_line_batch(client, "/v1/completions", body)["response"]
     (choice,) = response["body"]["choices"]
     live = queue_server.client().completions.create(**body)
     assert choice["text"] == live.choices[0].text
@@ -117,3 +117,29 @@ def test_a_long_prompts_echo_is_counted_off_the_loop_alike(
     off_loop = queue_server.client().completions.create(**args, echo=True, logprobs=1)
     assert off_loop.choices[0].text == on_loop.choices[0].text
     assert off_loop.choices[0].logprobs == on_loop.choices[0].logprobs
+
+
+def test_echo_offsets_index_the_prompt_as_written(queue_server: LiveServer) -> None:
+    """Special-token text in a text prompt is that many characters of the echoed text
+    (the tokenizer reads it as one special token): the offsets must say so, or a harness
+    looking for its continuation past the context's length finds nothing."""
+    context, continuation = "<|im_start|>user\nCapital?<|im_end|>\n", " Paris"
+    reply = queue_server.client().completions.create(
+        model=MODEL,
+        prompt=context + continuation,
+        max_tokens=1,
+        temperature=0,
+        echo=True,
+        logprobs=0,
+    )
+    (choice,) = reply.choices
+    offsets = choice.logprobs.text_offset
+    assert choice.text.startswith(context + continuation)
+    assert offsets[:2] == [0, len("<|im_start|>")]  # the special token spans its text
+    scored = [
+        token
+        for token, offset in zip(choice.logprobs.tokens, offsets, strict=True)
+        if len(context) <= offset < len(context + continuation)
+    ]
+    assert "".join(scored).strip() == "Paris"
+    assert offsets[-1] >= len(context + continuation)  # the completion's own token
