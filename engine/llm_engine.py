@@ -100,7 +100,8 @@ class _Tracked:
     request: Request
     detokenizer: IncrementalDetokenizer
     text_pieces: list[str] = field(default_factory=list)  # the non-empty deltas sent
-    is_prompt_logprobs_sent: bool = False
+    # The request asks for its prompt's log-probabilities and they are not sent yet.
+    owes_prompt_logprobs: bool = False
 
     def output(
         self,
@@ -114,10 +115,9 @@ class _Tracked:
             self.text_pieces.append(text_delta)
         request.output_logprobs.extend(new_logprobs)
         prompt_logprobs = None
-        # With the first token made, the whole prompt has been computed.
-        wanted = request.params.prompt_logprobs is not None and new_token_ids
-        if wanted and not self.is_prompt_logprobs_sent:
-            self.is_prompt_logprobs_sent = True
+        if self.owes_prompt_logprobs and new_token_ids:
+            # With the first token made, the whole prompt has been computed.
+            self.owes_prompt_logprobs = False
             prompt_logprobs = tuple(request.prompt_logprobs)
         return RequestOutput(
             request_id=request.request_id,
@@ -264,7 +264,9 @@ class LLMEngine:
         # string's start) is sent from here, not lost at the hand-over.
         for token in resumed_token_ids:
             detokenizer.add([token], is_last=False)
-        self._tracked[request_id] = _Tracked(request, detokenizer)
+        self._tracked[request_id] = _Tracked(
+            request, detokenizer, owes_prompt_logprobs=params.prompt_logprobs is not None
+        )
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Drop a request wherever it is and free its blocks. Returns its final output
