@@ -12,6 +12,12 @@ from typing import Any
 
 from engine.request import SamplingParams
 
+# SamplingParams fields added since the release before: a job's JSON leaves them out at
+# their default, so a worker of that release (a rolling upgrade runs both), whose
+# SamplingParams refuses a field it does not know, reads every job that does not use
+# them. Every other field is always written: that release reads some without a default.
+NEWER_PARAMS = frozenset({"prompt_logprobs"})
+
 
 @dataclass(frozen=True)
 class Job:
@@ -48,13 +54,12 @@ class Job:
         # A shallow dict: asdict() deep-copies the token tuples, which dominated the
         # queue's client-side cost.
         data: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
-        # asdict() deep-copies too; the params are flat, so a field read is enough. Fields
-        # at their default are left out: from_json restores them, and a worker of the
-        # release before, which lacks a newer field, still reads every job that does not
-        # use it (a rolling upgrade runs both).
+        # asdict() deep-copies too; the params are flat, so a field read is enough.
         params = self.params
         data["params"] = {
-            f.name: value for f in fields(params) if (value := getattr(params, f.name)) != f.default
+            f.name: value
+            for f in fields(params)
+            if (value := getattr(params, f.name)) != f.default or f.name not in NEWER_PARAMS
         }
         return json.dumps(data, separators=(",", ":"))
 

@@ -6,7 +6,7 @@ import json
 from dataclasses import fields
 
 from engine.request import SamplingParams
-from scheduler.job import Job
+from scheduler.job import NEWER_PARAMS, Job
 
 
 def _job(params: SamplingParams) -> Job:
@@ -33,13 +33,23 @@ def test_every_sampling_field_survives_the_round_trip() -> None:
     assert Job.from_json(_job(params).to_json()) == _job(params)
 
 
-def test_fields_at_their_default_are_left_out() -> None:
-    # A worker of the release before (without a newer field) reads every job that does
-    # not use it: only what differs from the defaults travels.
-    used = SamplingParams(max_tokens=5, logprobs=0)
-    assert json.loads(_job(used).to_json())["params"] == {"max_tokens": 5, "logprobs": 0}
-    assert json.loads(_job(SamplingParams()).to_json())["params"] == {}
-    assert Job.from_json(_job(used).to_json()) == _job(used)
+def _read_as_the_release_before(raw: str) -> SamplingParams:
+    """What the release before's Job.from_json did with the params: every key it reads
+    without a default, and no key its SamplingParams does not know."""
+    params = json.loads(raw)["params"]
+    known = {f.name for f in fields(SamplingParams)} - NEWER_PARAMS
+    assert set(params) <= known, set(params) - known
+    stop, stop_token_ids = tuple(params["stop"]), tuple(params["stop_token_ids"])
+    return SamplingParams(**{**params, "stop": stop, "stop_token_ids": stop_token_ids})
+
+
+def test_the_release_before_reads_a_job_that_uses_no_newer_field() -> None:
+    plain = SamplingParams(max_tokens=5, temperature=0.7)
+    assert _read_as_the_release_before(_job(plain).to_json()) == plain
+    with_logprobs = SamplingParams(logprobs=2, stop=("x",))
+    assert _read_as_the_release_before(_job(with_logprobs).to_json()) == with_logprobs
+    assert "prompt_logprobs" not in json.loads(_job(plain).to_json())["params"]
+    assert Job.from_json(_job(plain).to_json()) == _job(plain)
 
 
 def test_a_job_written_with_every_field_still_reads() -> None:
