@@ -51,6 +51,7 @@ if HttpToolsProtocol is not None:
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             self._head_bytes = 0
             self._in_head = False
+            self._ended_in_chunk = False
             self._head_timer: asyncio.TimerHandle | None = None
             super().connection_made(transport)
             # A connection that never sends a byte has no request to time out yet.
@@ -61,11 +62,13 @@ if HttpToolsProtocol is not None:
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
+            self._ended_in_chunk = False
             super().data_received(data)
             # The parser calls on_message_begin / on_headers_complete as it reads `data`:
-            # still in a head afterwards, all of `data` counts towards it (a chunk that
-            # also held the end of the previous request counts a little too much).
-            if self._in_head and not self.transport.is_closing():
+            # still in a head afterwards, all of `data` counts towards it, unless a
+            # request ended in it too (pipelined: most of the chunk may be that request's
+            # body; the head's bound then starts with the next chunk).
+            if self._in_head and not self._ended_in_chunk and not self.transport.is_closing():
                 self._head_bytes += len(data)
                 if self._head_bytes > self.max_head_bytes:
                     self._cancel_head_timer()
@@ -77,6 +80,10 @@ if HttpToolsProtocol is not None:
             self._in_head = True
             self._head_bytes = 0
             self._arm_head_timer()
+
+        def on_message_complete(self) -> None:
+            self._ended_in_chunk = True
+            super().on_message_complete()
 
         def on_headers_complete(self) -> None:
             self._in_head = False

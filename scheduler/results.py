@@ -425,6 +425,16 @@ class JobClient:
                 await stream._stop(RequestAbortedError(f"request {job_id} was cancelled"))
         return cancelled
 
+    async def note_lease(self, stream: JobStream) -> None:
+        """For a job about to be cancelled before any event came: if a worker holds it,
+        its prompt is being read (prefill), so it is marked dispatched now (its queue
+        wait was at most that). A queue that cannot be read leaves it as it was."""
+        if stream.is_dispatched:
+            return
+        with contextlib.suppress(BackendUnavailableError):
+            if await self._backend.job_status(stream.job.job_id) is JobStatus.LEASED:
+                stream.dispatched_s = time.monotonic()
+
     def cancel_soon(self, job_id: str) -> None:
         """`cancel` in the background, for a caller that answers its client first (a
         queue that hangs would hold the answer for its whole timeout)."""

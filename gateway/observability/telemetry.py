@@ -398,15 +398,16 @@ class Telemetry:
         # A client that went away is neither a hit nor a miss: it did not wait for one.
         is_counted = outcome != "aborted"
         is_met = is_slo_met(targets, is_ok=is_ok, ttft_ms=record.ttft_ms, tpot_ms=tpot)
-        # A prompt refused, or left in the queue, was never processed: its tokens are
-        # nobody's, as in the usage report and the token counter below.
+        # Tokens as the usage report bills them: a prompt refused, or left in the queue,
+        # was never processed; a refused request's output reached nobody.
         is_served = is_prompt_served(outcome, record.queue_wait_ms)
         num_input_tokens = record.prompt_tokens if is_served else 0
+        num_output_tokens = 0 if refusal_code is not None else record.completion_tokens
         self.recent.add(
             tier=record.tier,
             tenant_id=record.tenant_id,
             is_met=is_met,
-            num_tokens=num_input_tokens + record.completion_tokens,
+            num_tokens=num_input_tokens + num_output_tokens,
             refusal_code=refusal_code,
             is_counted=is_counted,
         )
@@ -421,8 +422,8 @@ class Telemetry:
                 _bump(counts["slo"], (record.tier, "true" if is_met else "false"), 1)
             if num_input_tokens:
                 _bump(counts["tokens"], (record.tier, "input"), num_input_tokens)
-            if record.completion_tokens:
-                _bump(counts["tokens"], (record.tier, "output"), record.completion_tokens)
+            if num_output_tokens:
+                _bump(counts["tokens"], (record.tier, "output"), num_output_tokens)
             histograms = self._histograms
             if record.ttft_ms is not None:
                 histograms.record(TTFT, record.tier, record.ttft_ms)

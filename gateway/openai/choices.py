@@ -11,7 +11,7 @@ differ, and each one is reproducible on its own.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterable, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -64,7 +64,9 @@ def first_queue_wait_ms(streams: Sequence[Any]) -> float | None:
 _DONE = object()
 
 
-async def merge_choices(streams: Sequence[AsyncIterable[T]]) -> AsyncIterator[tuple[int, T]]:
+async def merge_choices(
+    streams: Sequence[AsyncIterable[T]],
+) -> AsyncGenerator[tuple[int, T], None]:
     """(choice index, output) from every stream, in the order the outputs arrive.
 
     The first error of any stream is raised at once; the caller cancels the other

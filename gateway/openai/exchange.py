@@ -33,6 +33,7 @@ class Exchange:
     authenticated_s: float = field(default_factory=time.monotonic)
     last_token_s: float | None = None
     is_stream: bool = False
+    stream_began: bool = False  # the server started its SSE body
     reservation: Reservation | None = None
 
     @property

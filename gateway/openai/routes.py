@@ -12,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import anyio
+from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
@@ -222,6 +223,7 @@ class OpenAIRoutes:
                 self._stream(exchange, shape, first, outputs, options, echoed),
                 media_type="text/event-stream",
                 headers={"cache-control": "no-cache", **headers},
+                background=BackgroundTask(self._end_unbegun_stream, exchange, outputs),
             )
         self._finish(exchange, "ok")
         usage = Usage(exchange.num_prompt_tokens, exchange.num_completion_tokens)
@@ -452,7 +454,7 @@ class OpenAIRoutes:
         )
 
     async def _collect(
-        self, exchange: Exchange, outputs: AsyncIterator[tuple[int, Any]]
+        self, exchange: Exchange, outputs: AsyncGenerator[tuple[int, Any], None]
     ) -> list[CollectedChoice]:
         choices = [CollectedChoice() for _ in exchange.choice_tokens]
         async for index, output in outputs:
@@ -477,10 +479,11 @@ class OpenAIRoutes:
         exchange: Exchange,
         shape: ResponseShape,
         first: tuple[int, Any] | None,
-        outputs: AsyncIterator[tuple[int, Any]],
+        outputs: AsyncGenerator[tuple[int, Any], None],
         options: GenerationOptions,
         echoed: EchoedPrompt | None = None,
     ) -> AsyncIterator[bytes]:
+        exchange.stream_began = True
         outcome = "aborted"
         include_usage = options.include_usage
         num_choices = len(exchange.choice_tokens)
@@ -545,6 +548,7 @@ class OpenAIRoutes:
             # The server cancels this generator when the client goes away; the clean-up
             # must still run (jobs cancelled, reservation released), so it is shielded.
             with anyio.CancelScope(shield=True):
+                await outputs.aclose()  # its readers stop now, not when collected
                 if outcome == "aborted":
                     await self._cancel_quietly(exchange)
                 elif outcome == "error":
@@ -552,6 +556,17 @@ class OpenAIRoutes:
                     # the background, so a hung queue does not hold the stream's end.
                     self._cancel_soon(exchange.job_ids)
                 self._finish(exchange, outcome)
+
+    async def _end_unbegun_stream(
+        self, exchange: Exchange, outputs: AsyncGenerator[tuple[int, Any], None]
+    ) -> None:
+        """A client that leaves right after the answer is decided can make the server drop
+        the SSE body before it starts (its disconnect cancels the body's task): the body's
+        own clean-up never runs, so the request ends here, as aborted."""
+        if exchange.stream_began:
+            return
+        await outputs.aclose()
+        await self._finish_aborted(exchange)
 
     def _writer(self, options: GenerationOptions, *, chat: bool) -> LogprobsWriter | None:
         return None if options.logprobs is None else self.logprobs_writer(chat=chat)
@@ -573,9 +588,12 @@ class OpenAIRoutes:
         """Leave the request's usage record and report it to telemetry (once per request)."""
         record = exchange.record(outcome)
         if self.deps.admission is not None and exchange.reservation is not None:
-            # A prompt never served (dropped by a queue timeout, or its client left
-            # while it was queued) is refunded, as the usage report does not bill it.
-            used = exchange.num_completion_tokens
+            # As the usage report bills: nothing for a refusal (a queue timeout, even of
+            # a request with choices that ran), no prompt never served (its client left
+            # while it was queued).
+            used = 0
+            if not outcome.startswith("rejected:"):
+                used = exchange.num_completion_tokens
             if is_prompt_served(outcome, record.queue_wait_ms):
                 used += exchange.num_prompt_tokens
             self.deps.admission.release_soon(exchange.reservation, used)
@@ -590,7 +608,11 @@ class OpenAIRoutes:
 
     async def _cancel_quietly(self, exchange: Exchange) -> None:
         """Cancel the jobs of a client that went away. Nobody is left to answer, so a
-        queue that cannot be reached is logged (the dispatcher tries again later)."""
+        queue that cannot be reached is logged (the dispatcher tries again later). A job
+        a worker holds already has its prompt read (billed) though it sent no token:
+        asked before the cancel, which ends the lease."""
+        jobs = self.deps.dispatcher
+        await asyncio.gather(*(jobs.note_lease(stream) for stream in exchange.streams))
         await asyncio.gather(*(self._cancel_job_quietly(job_id) for job_id in exchange.job_ids))
 
     async def _cancel_job_quietly(self, job_id: str) -> None:

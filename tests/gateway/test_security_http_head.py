@@ -4,6 +4,7 @@ neither make the server buffer an endless header nor hold sockets open by sendin
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import socket
 import subprocess
@@ -12,10 +13,12 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 import uvicorn
+from uvicorn.server import ServerState
 
 from gateway.http_server import BoundedHttpToolsProtocol, uvicorn_config
 from tests.gateway.conftest import ROOT, build_test_engine
@@ -225,3 +228,56 @@ def test_requests_that_send_their_head_are_served_past_the_deadline(
         sock.sendall(body)
         sock.settimeout(10)
         assert sock.recv(65536).startswith(b"HTTP/1.1 401 ")  # answered, not closed
+
+
+class _Loopback(asyncio.Transport):
+    """The socket side of one connection, in memory: what the server wrote, and whether
+    it closed. Which bytes arrive in which read is up to the kernel on a real socket;
+    here the test decides, to put a request's end and the next head in one read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = bytearray()
+        self.closed = False
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"sockname": ("127.0.0.1", 80), "peername": ("127.0.0.1", 5555)}.get(name, default)
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def close(self) -> None:
+        self.closed = True
+
+    def pause_reading(self) -> None: ...
+
+    def resume_reading(self) -> None: ...
+
+
+async def _ok(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    while (await receive()).get("more_body"):
+        pass
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+async def test_a_pipelined_body_read_with_the_next_head_is_not_counted_as_head() -> None:
+    config = uvicorn.Config(_ok, log_level="warning", access_log=False)
+    config.load()
+    protocol = BoundedHttpToolsProtocol(config=config, server_state=ServerState(), app_state={})
+    transport = _Loopback()
+    protocol.connection_made(transport)
+    body = b"x" * 200_000
+    protocol.data_received(b"POST / HTTP/1.1\r\nHost: x\r\ncontent-length: 200000\r\n\r\n")
+    protocol.data_received(body[:50_000])
+    await asyncio.sleep(0.01)
+    # 150 kB of the POST's body, then half of the next request's head, in one read.
+    protocol.data_received(body[50_000:] + b"GET / HTTP/1.1\r\nHo")
+    protocol.data_received(b"st: x\r\n\r\n")
+    await asyncio.sleep(0.05)
+    assert not transport.closed  # before: a 431 and a closed connection
+    assert transport.written.count(b"HTTP/1.1 200 ") == 2
+    protocol.connection_lost(None)

@@ -14,6 +14,7 @@ so queued jobs stay queued until the test lets them run.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import time
 import uuid
@@ -34,14 +35,24 @@ PROMPT = "hello there"
 
 
 class PausableEngine:
-    """The real engine, except that it takes no new request while paused."""
+    """The real engine, except that it takes no new request while paused, and sends no
+    output while it holds them (the model runs: its outputs wait)."""
 
     def __init__(self, engine: Any) -> None:
         self._engine = engine
         self.is_paused = False
+        self.holds_outputs = False
 
     def can_accept(self, rank: int | None = None) -> bool:
         return not self.is_paused and self._engine.can_accept(rank)
+
+    async def generate_batches(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        async with contextlib.aclosing(self._engine.generate_batches(*args, **kwargs)) as batches:
+            async for batch in batches:
+                # Polled: the test sets it from its own event loop, in another thread.
+                while self.holds_outputs:  # noqa: ASYNC110
+                    await asyncio.sleep(0.01)
+                yield batch
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
@@ -376,3 +387,26 @@ async def _usage_line(cap_server: CapServer, tier: str, count: str) -> dict[str,
                 return line
             assert time.monotonic() < deadline_s, "the usage record never arrived"
             await asyncio.sleep(0.1)
+
+
+async def test_a_prompt_read_before_its_client_left_is_billed(cap_server: CapServer) -> None:
+    """Leased and prefilled, no token sent yet, when the client hangs up: its prompt was
+    served (billed, kept in the TPM), unlike one still queued (see the test above)."""
+    name = f"read-{uuid.uuid4().hex[:6]}"
+    client = await _tenant(cap_server, {"name": name}, tpm=1000)
+    engine = cap_server.engine
+    engine.holds_outputs = True
+    try:
+        request = asyncio.create_task(
+            client.completions.create(model="tiny-random", prompt=[42] * 40, max_tokens=10)
+        )
+        deadline_s = time.monotonic() + 10
+        while not engine.stats().num_running:  # in the engine: leased, its prompt read
+            assert time.monotonic() < deadline_s, "the request never reached the engine"
+            await asyncio.sleep(0.01)
+        request.cancel()  # the client hangs up before its first token
+        line = await _usage_line(cap_server, name, "aborted")
+    finally:
+        engine.holds_outputs = False
+        await client.close()
+    assert (line["requests"], line["input_tokens"]) == (1, 40)
