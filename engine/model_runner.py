@@ -21,9 +21,10 @@ from engine.sampling import OutputCounts, sample, token_logprobs
 
 _NUM_DECODE_GROUPS = 4
 _MIN_DECODES_TO_GROUP = 8
-# Prompt positions whose logits are made at once for prompt log-probabilities: rows x
-# vocabulary floats (512 x 128k x 4 bytes = 256 MiB at most).
-_PROMPT_LOGPROB_ROWS = 512
+# Prompt positions whose logits are made at once for prompt log-probabilities. Each
+# block holds about three rows x vocabulary float32 tensors at a time (the logits, the
+# rows scored, their log-softmax): 128 x 128k x 4 bytes x 3 = 192 MiB at most.
+_PROMPT_LOGPROB_ROWS = 128
 _CPU_DEFAULT_KV_CACHE_BYTES = 512 * 2**20
 # Left free on a GPU for activations and the allocator's slack when sizing the cache.
 _CUDA_ACTIVATION_RESERVE_BYTES = 1 * 2**30

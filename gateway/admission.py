@@ -93,8 +93,10 @@ def _too_large_message(tpm: int, job: Job, num_choices: int, max_tokens_given: b
     )
     room = (tpm - job.num_prompt_tokens) // n
     lower_n = "" if n == 1 else "lower n, "
-    if room < 1:
-        advice = "Lower n, or shorten the prompt." if n > 1 else "Shorten the prompt."
+    if job.num_prompt_tokens >= tpm:
+        advice = "Shorten the prompt."  # alone, it takes the whole limit
+    elif room < 1:
+        advice = "Lower n, or shorten the prompt."
     elif max_tokens_given:
         advice = f"Set max_tokens to at most {room}, {lower_n}or shorten the prompt."
     else:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import secrets
@@ -46,7 +45,6 @@ from gateway.db.batch_models import (
 from gateway.db.models import utcnow
 from gateway.errors import NotFoundError
 from gateway.middleware import new_request_id
-from gateway.openai.schemas import MAX_CHOICES
 from gateway.tiers import TierCatalog, TierPolicy
 from scheduler.backend import BackendUnavailableError, QueueFullError, UnknownTierError
 
@@ -82,15 +80,6 @@ class DriverConfig:
     @property
     def heartbeat_s(self) -> float:
         return min(self.lease_s / 4, 1.0)
-
-
-def line_choices(body_json: str) -> int:
-    """The jobs a line's body asks for: its `n` (validated when it runs; 1 if unusable)."""
-    try:
-        n = json.loads(body_json).get("n")
-    except (ValueError, AttributeError):
-        return 1
-    return n if type(n) is int and 1 <= n <= MAX_CHOICES else 1
 
 
 class BatchDriver:
@@ -317,7 +306,7 @@ class _BatchRun:
         """Whether the line's jobs fit in the window (any line does when none runs)."""
         if not self.in_flight:
             return True
-        return self.num_jobs_in_flight + line_choices(line.body_json) <= self._window()
+        return self.num_jobs_in_flight + line.num_choices <= self._window()
 
     def _submit(self, batch: BatchRow, line: PendingLine) -> None:
         request_id = new_request_id()
@@ -325,7 +314,7 @@ class _BatchRun:
         task = asyncio.create_task(
             self._run_line(batch, line, request_id), name=f"batch-line-{request_id}"
         )
-        num_jobs = line_choices(line.body_json)
+        num_jobs = line.num_choices
         self.in_flight[request_id] = (task, line.line_index)
         self.num_jobs_in_flight += num_jobs
 

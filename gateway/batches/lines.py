@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
@@ -25,6 +25,7 @@ from gateway.errors import GatewayError, InvalidRequestError, error_code, error_
 from gateway.openai import routes as openai_routes
 from gateway.openai.choices import (
     CollectedChoice,
+    choice_counts,
     choice_jobs,
     first_queue_wait_ms,
     merge_choices,
@@ -112,22 +113,18 @@ class LineRunner:
             self._finished(record.finish(f"rejected:{error_code(exc)}"))
             return error_outcome(request_id, exc)
         record.prompt_tokens = jobs[0].num_prompt_tokens
-        record.num_choices = len(jobs)
         streams = [self._jobs.submit(job) for job in jobs]
         job_ids = [job.job_id for job in jobs]
         if len(jobs) > 1:
             self._choice_ids[request_id] = job_ids
         choices = [CollectedChoice() for _ in jobs]
-        choice_tokens = [0] * len(jobs)
+        record.choice_tokens = [0] * len(jobs)
         try:
             async for index, output in merge_choices(streams):
                 if record.first_token_s is None and output.new_token_ids:
                     record.first_token_s = time.monotonic()
                 record.prompt_tokens = output.num_prompt_tokens
-                choice_tokens[index] = output.num_output_tokens
-                record.completion_tokens = sum(choice_tokens)
-                if len(choice_tokens) > 1:
-                    record.longest_choice_tokens = max(choice_tokens)
+                record.choice_tokens[index] = output.num_output_tokens
                 choice = choices[index]
                 choice.pieces.append(output.text_delta)
                 choice.logprobs.extend(output.new_logprobs)
@@ -233,10 +230,12 @@ class _Record:
     model: str
     started_s: float
     prompt_tokens: int = 0
-    completion_tokens: int = 0
+    choice_tokens: list[int] = field(default_factory=lambda: [0])  # each choice's output
     first_token_s: float | None = None
-    num_choices: int = 1
-    longest_choice_tokens: int | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(self.choice_tokens)
 
     def finish(self, outcome: str, queue_wait_ms: float | None = None) -> UsageRecord:
         now = time.monotonic()
@@ -249,14 +248,12 @@ class _Record:
             tier=self.tier,
             model=self.model,
             prompt_tokens=self.prompt_tokens,
-            completion_tokens=self.completion_tokens,
             queue_wait_ms=queue_wait_ms,
             ttft_ms=ttft_ms,
             e2e_ms=(now - self.started_s) * 1000.0,
             outcome=outcome,
             created_at=datetime.now(UTC),
-            num_choices=self.num_choices,
-            longest_choice_tokens=self.longest_choice_tokens,
+            **choice_counts(self.choice_tokens),
         )
 
 

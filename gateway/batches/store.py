@@ -8,6 +8,7 @@ writes its output and error files together with its final status.
 
 from __future__ import annotations
 
+import functools
 import json
 import secrets
 from collections.abc import Sequence
@@ -38,6 +39,7 @@ from gateway.db.batch_models import (
     FileRow,
 )
 from gateway.db.models import Tenant, utcnow
+from gateway.openai.schemas import MAX_CHOICES
 
 # The timestamp column each status sets when a batch enters it.
 _STATUS_TIME = {
@@ -90,6 +92,16 @@ class PendingLine:
     line_index: int
     custom_id: str
     body_json: str
+
+    @functools.cached_property
+    def num_choices(self) -> int:
+        """The jobs the line asks for: its body's `n` (checked when it runs; 1 if the
+        body holds no usable one). Read once: a body may be megabytes of JSON."""
+        try:
+            n = json.loads(self.body_json).get("n")
+        except (ValueError, AttributeError):
+            return 1
+        return n if type(n) is int and 1 <= n <= MAX_CHOICES else 1
 
 
 class BatchStore:

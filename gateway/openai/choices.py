@@ -55,6 +55,16 @@ class CollectedChoice:
         return "".join(self.pieces)
 
 
+def choice_counts(choice_tokens: Sequence[int]) -> dict[str, Any]:
+    """A request's output in its UsageRecord: the tokens of every choice, how many
+    choices, and the longest one's tokens (None for one choice: completion_tokens)."""
+    return {
+        "completion_tokens": sum(choice_tokens),
+        "num_choices": len(choice_tokens),
+        "longest_choice_tokens": max(choice_tokens) if len(choice_tokens) > 1 else None,
+    }
+
+
 def first_queue_wait_ms(streams: Sequence[Any]) -> float | None:
     """A request's queue wait: its work began when its first choice left the queue."""
     waits = [s.queue_wait_ms for s in streams if s.queue_wait_ms is not None]

@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 
 from gateway.auth import Principal
 from gateway.observability import RequestTimeline
-from gateway.openai.choices import first_queue_wait_ms
+from gateway.openai.choices import choice_counts, first_queue_wait_ms
 from gateway.usage import UsageRecord
 from scheduler.rate_limit import Reservation
 from scheduler.results import JobStream
@@ -72,12 +72,10 @@ class Exchange:
             tier=self.tier,
             model=self.model,
             prompt_tokens=self.num_prompt_tokens,
-            completion_tokens=self.num_completion_tokens,
             queue_wait_ms=first_queue_wait_ms(self.streams),
             ttft_ms=ttft_ms,
             e2e_ms=(now - self.started_s) * 1000.0,
             outcome=outcome,
             created_at=datetime.now(UTC),
-            num_choices=len(self.choice_tokens),
-            longest_choice_tokens=max(self.choice_tokens) if len(self.choice_tokens) > 1 else None,
+            **choice_counts(self.choice_tokens),
         )

@@ -1,10 +1,10 @@
 """/v1/models, /v1/completions and /v1/chat/completions.
 
 Admission in order: key -> tenant -> tier (service_tier may only go down); body ->
-typed request; model and context length; then a Job into the queue. The dispatcher runs
-it on the engine and the route streams (SSE) or collects the outputs. A client that goes
-away, or is answered with an error, cancels its job. Every admitted request leaves one
-UsageRecord.
+typed request; model and context length; then a Job per choice (`n`) into the queue.
+The dispatcher runs them on the engine and the route streams (SSE) or collects the
+outputs. A client that goes away, or is answered with an error, cancels its jobs. Every
+admitted request leaves one UsageRecord.
 """
 
 from __future__ import annotations

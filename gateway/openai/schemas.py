@@ -16,10 +16,11 @@ from gateway import json_body
 from gateway.errors import InvalidRequestError
 
 MAX_STOP_SEQUENCES = 4
-# Each choice of a request is a job that carries its own copy of the stop strings and
-# of `user` through the queue (serialised to Redis with \u escapes, up to 12 bytes a
-# character): unbounded, a 3.6 MB body with n=128 put 190 MB in Redis at once. Bounded,
-# a request's copies stay under 6 MB.
+# Each choice of a request is a job that carries its own copy of the prompt's token ids,
+# the stop strings and `user` through the queue (serialised to Redis with \u escapes, up
+# to 12 bytes a character): unbounded, a 3.6 MB body with n=128 put 190 MB in Redis at
+# once. Bounded, the strings' copies stay under 6 MB; the prompt's are bounded by the
+# context and n by the tenant's concurrency limit (a slot per choice).
 MAX_STOP_CHARS = 1_000
 MAX_USER_CHARS = 256
 MAX_TEMPERATURE = 2.0
@@ -180,7 +181,7 @@ def _options(data: dict[str, Any], *, chat: bool) -> GenerationOptions:
         top_k=_top_k(data),
         logprobs=_chat_logprobs(data) if chat else _completion_logprobs(data),
         n=n,
-        echo=_echo(data, chat=chat),
+        echo=_echo(data, chat=chat, n=n),
         stream=stream,
         include_usage=include_usage,
         user=_user(data),
@@ -219,11 +220,17 @@ MAX_COMPLETION_LOGPROBS = 5  # the text endpoint's cap
 MAX_TOP_LOGPROBS = 20  # chat's
 
 
-def _echo(data: dict[str, Any], *, chat: bool) -> bool:
+def _echo(data: dict[str, Any], *, chat: bool, n: int) -> bool:
     echo = _optional(data, "echo", bool) or False
     if echo and chat:
         raise InvalidRequestError(
             "echo is a completions field; chat does not take it.", param="echo"
+        )
+    if echo and n > 1 and data.get("logprobs") is not None:
+        # Each choice would score the whole prompt again (no prefix cache for that), for
+        # n copies of the same numbers.
+        raise InvalidRequestError(
+            "echo with logprobs scores the prompt once: it takes n=1.", param="n"
         )
     return echo
 

@@ -111,3 +111,16 @@ def test_bad_prompt_logprobs_are_refused(value) -> None:
     with pytest.raises(InvalidRequestError) as refused:
         SamplingParams(prompt_logprobs=value)
     assert refused.value.param == "prompt_logprobs"
+
+
+def test_long_chunks_are_scored_in_blocks_alike() -> None:
+    # 300 tokens: chunks of 256 hold more positions than one block of logits.
+    prompt = [(13 * i + 7) % 500 + 5 for i in range(300)]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    wide = _engine(max_num_batched_tokens=256, max_prefill_chunk_tokens=256, max_model_len=512)
+    narrow = _engine(max_model_len=512)
+    got = _run(wide, {"w": prompt}, params)["w"][0].prompt_logprobs
+    want = _run(narrow, {"n": prompt}, params)["n"][0].prompt_logprobs
+    assert [lp.token_id for lp in got] == prompt[1:]
+    for a, b in zip(got, want, strict=True):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)

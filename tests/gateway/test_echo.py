@@ -59,7 +59,6 @@ def test_a_streamed_echo_is_the_whole_reply(queue_server: LiveServer) -> None:
         "prompt": "Count to three:",
         "max_tokens": 6,
         "seed": 8,
-        "n": 2,
         "echo": True,
         "logprobs": 1,
     }
@@ -91,6 +90,16 @@ def test_chat_refuses_echo(queue_server: LiveServer) -> None:
             extra_body={"echo": True},
         )
     assert refused.value.param == "echo"
+
+
+def test_echo_scores_the_prompt_for_one_choice(queue_server: LiveServer) -> None:
+    # n choices would each score the prompt again, for n copies of the same numbers.
+    client = queue_server.client()
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(
+            model=MODEL, prompt="hi", max_tokens=1, n=2, echo=True, logprobs=0
+        )
+    assert refused.value.param == "n"
 
 
 def test_a_batch_line_takes_echo(queue_server: LiveServer) -> None:
