@@ -2,7 +2,8 @@
 
 A request asking for n > 1 choices runs as n jobs of the same tenant and tier, queued
 one after another: the fair share charges each job for the work it does, SLO admission
-sees each behind the ones before it, and the engine batches them like any other work.
+judges the request by its first choice (whose first token is its TTFT), each choice
+holds a concurrency slot, and the engine batches them like any other work.
 Choice 0 keeps the request id as its job id, so a request with n = 1 is unchanged, and
 choice i of a seeded request samples with seed + i (wrapped to 64 bits): the choices
 differ, and each one is reproducible on its own.
