@@ -16,7 +16,6 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from engine.errors import EngineDeadError, EngineError, RequestAbortedError
@@ -25,11 +24,11 @@ from gateway.errors import GatewayError, InvalidRequestError, error_code, error_
 from gateway.openai import routes as openai_routes
 from gateway.openai.choices import (
     CollectedChoice,
-    choice_counts,
     choice_jobs,
     first_queue_wait_ms,
     merge_choices,
 )
+from gateway.openai.exchange import usage_record
 from gateway.openai.jobs import build_job, check_choices
 from gateway.openai.logprobs import EchoedPrompt
 from gateway.openai.responses import FinishedChoice, ResponseShape, Usage
@@ -238,22 +237,17 @@ class _Record:
         return sum(self.choice_tokens)
 
     def finish(self, outcome: str, queue_wait_ms: float | None = None) -> UsageRecord:
-        now = time.monotonic()
-        ttft_ms = None
-        if self.first_token_s is not None:
-            ttft_ms = (self.first_token_s - self.started_s) * 1000.0
-        return UsageRecord(
+        return usage_record(
             request_id=self.request_id,
             tenant_id=self.tenant_id,
             tier=self.tier,
             model=self.model,
+            started_s=self.started_s,
+            first_token_s=self.first_token_s,
             prompt_tokens=self.prompt_tokens,
+            choice_tokens=self.choice_tokens,
             queue_wait_ms=queue_wait_ms,
-            ttft_ms=ttft_ms,
-            e2e_ms=(now - self.started_s) * 1000.0,
             outcome=outcome,
-            created_at=datetime.now(UTC),
-            **choice_counts(self.choice_tokens),
         )
 
 

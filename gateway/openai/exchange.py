@@ -62,20 +62,47 @@ class Exchange:
         )
 
     def record(self, outcome: str) -> UsageRecord:
-        now = time.monotonic()
-        ttft_ms = None
-        if self.first_token_s is not None:
-            ttft_ms = (self.first_token_s - self.started_s) * 1000.0
-        return UsageRecord(
+        return usage_record(
             request_id=self.request_id,
             tenant_id=self.principal.tenant_id,
             tier=self.tier,
             model=self.model,
+            started_s=self.started_s,
+            first_token_s=self.first_token_s,
             prompt_tokens=self.num_prompt_tokens,
+            choice_tokens=self.choice_tokens,
             queue_wait_ms=first_queue_wait_ms(self.streams),
-            ttft_ms=ttft_ms,
-            e2e_ms=(now - self.started_s) * 1000.0,
             outcome=outcome,
-            created_at=datetime.now(UTC),
-            **choice_counts(self.choice_tokens),
         )
+
+
+def usage_record(
+    *,
+    request_id: str,
+    tenant_id: str,
+    tier: str,
+    model: str,
+    started_s: float,
+    first_token_s: float | None,
+    prompt_tokens: int,
+    choice_tokens: list[int],
+    queue_wait_ms: float | None,
+    outcome: str,
+) -> UsageRecord:
+    """The UsageRecord of a request (live, or a batch line) ending now; times are
+    monotonic seconds."""
+    now = time.monotonic()
+    ttft_ms = None if first_token_s is None else (first_token_s - started_s) * 1000.0
+    return UsageRecord(
+        request_id=request_id,
+        tenant_id=tenant_id,
+        tier=tier,
+        model=model,
+        prompt_tokens=prompt_tokens,
+        queue_wait_ms=queue_wait_ms,
+        ttft_ms=ttft_ms,
+        e2e_ms=(now - started_s) * 1000.0,
+        outcome=outcome,
+        created_at=datetime.now(UTC),
+        **choice_counts(choice_tokens),
+    )

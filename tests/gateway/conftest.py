@@ -274,3 +274,19 @@ def run_one_line_batch(client: openai.OpenAI, url: str, body: dict[str, Any]) ->
     file_id = batch.output_file_id or batch.error_file_id
     (result,) = [json.loads(x) for x in client.files.content(file_id).text.splitlines()]
     return result
+
+
+async def usage_rows(database_url: str, request_ids: list[str]) -> list[Any]:
+    """The usage_records rows of `request_ids` (as many as are written yet)."""
+    from sqlalchemy import select
+
+    from gateway.db.models import UsageRow
+    from gateway.db.session import create_db_engine, create_sessionmaker
+
+    engine = create_db_engine(database_url)
+    try:
+        async with create_sessionmaker(engine)() as session:
+            query = select(UsageRow).where(UsageRow.request_id.in_(request_ids))
+            return list((await session.scalars(query)).all())
+    finally:
+        await engine.dispose()

@@ -17,12 +17,11 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import openai
 import pytest
-from sqlalchemy import select, text
+from sqlalchemy import text
 
 from gateway.batches import DriverConfig
-from gateway.db.models import UsageRow
 from gateway.db.session import create_db_engine, create_sessionmaker
-from tests.gateway.conftest import paced_tier
+from tests.gateway.conftest import paced_tier, usage_rows
 
 if TYPE_CHECKING:
     from tests.gateway.conftest import LiveServer
@@ -88,16 +87,6 @@ def _submit(client: openai.OpenAI, lines: list[Any] | bytes, endpoint: str = CHA
     )
 
 
-async def _usage_rows(database_url: str, request_ids: list[str]) -> list[UsageRow]:
-    engine = create_db_engine(database_url)
-    try:
-        async with create_sessionmaker(engine)() as session:
-            query = select(UsageRow).where(UsageRow.request_id.in_(request_ids))
-            return list((await session.scalars(query)).all())
-    finally:
-        await engine.dispose()
-
-
 def test_batch_end_to_end(live_server: LiveServer) -> None:
     client = live_server.client(_tenant_key(live_server, "interactive"))
     lines = [_chat_line(f"q-{i}", f"Question {i}?") for i in range(10)]
@@ -152,7 +141,7 @@ def test_batch_end_to_end(live_server: LiveServer) -> None:
     assert batch.usage.output_tokens == sum(b["usage"]["completion_tokens"] for b in bodies)
     request_ids = [r["response"]["request_id"] for r in [*output.values(), *errors.values()]]
     deadline = time.monotonic() + 10
-    while len(rows := asyncio.run(_usage_rows(live_server.database_url, request_ids))) < 12:
+    while len(rows := asyncio.run(usage_rows(live_server.database_url, request_ids))) < 12:
         assert time.monotonic() < deadline, f"{len(rows)} usage records"
         time.sleep(0.1)
     assert {row.tier for row in rows} == {"batch"}

@@ -15,12 +15,15 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from sqlalchemy import select
 
-from gateway.db.models import UsageRow
-from gateway.db.session import create_db_engine, create_sessionmaker
 from gateway.openai.choices import choice_job_id, choice_jobs, merge_choices
-from tests.gateway.conftest import LiveServer, ServerThread, paced_tier, run_one_line_batch
+from tests.gateway.conftest import (
+    LiveServer,
+    ServerThread,
+    paced_tier,
+    run_one_line_batch,
+    usage_rows,
+)
 
 MODEL = "tiny-random"
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
@@ -274,19 +277,10 @@ def test_a_batch_runs_as_many_choices_at_once_as_its_window(queue_server: LiveSe
     assert 1 <= most <= 4  # seen running, never more than the window
 
 
-def _wait_for_rows(database_url: str, request_ids: list[str]) -> list[UsageRow]:
-    async def read() -> list[UsageRow]:
-        engine = create_db_engine(database_url)
-        try:
-            async with create_sessionmaker(engine)() as session:
-                query = select(UsageRow).where(UsageRow.request_id.in_(request_ids))
-                return list((await session.scalars(query)).all())
-        finally:
-            await engine.dispose()
-
+def _wait_for_rows(database_url: str, request_ids: list[str]) -> list[Any]:
     deadline = time.monotonic() + 10
     while True:
-        rows = asyncio.run(read())
+        rows = asyncio.run(usage_rows(database_url, request_ids))
         if len(rows) >= len(request_ids) or time.monotonic() > deadline:
             return rows
         time.sleep(0.1)
