@@ -399,7 +399,10 @@ def test_the_jobs_of_a_killed_gateway_stop_within_seconds(fleet: Fleet) -> None:
     tenant_id, key = fleet.tenant()
     batch_tenant_id, batch_key = fleet.tenant("batch")
     victim, url = fleet.gateway_procs[1], fleet.gateways[1]
-    num_requests = 6 * MAX_NUM_SEQS  # a third run, the rest wait in the queue
+    # A fifth run at the kill, the rest wait in the queue. Until the gateway counts as
+    # gone (its presence lapses, then a grace: about 7 s), the workers take queued jobs
+    # as slots free: on a fast machine two more rounds finish in that time.
+    num_requests = 10 * MAX_NUM_SEQS
 
     async def scenario() -> tuple[int, str]:
         limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)
@@ -444,8 +447,9 @@ def test_the_jobs_of_a_killed_gateway_stop_within_seconds(fleet: Fleet) -> None:
         f"tokens {last_ms} ms after it: {states}"
     )
     assert last_ms <= GATEWAY_DEATH_BOUND_MS
-    # Those still queued at the kill never ran to their end for nobody.
-    assert states.count("cancelled") >= num_requests - 2 * MAX_NUM_SEQS
+    # The rest, still queued when the gateway counted as gone, never ran for nobody.
+    assert set(states) <= {"done", "cancelled"}
+    assert states.count("cancelled") >= num_requests // 2
     # The other gateway takes the batch over and runs each line once more; the victim's
     # jobs for them are abandoned rather than run for nobody.
     survivor = openai.OpenAI(
