@@ -373,14 +373,8 @@ class Dispatcher:
                     logprobs = [
                         lp for output in batch for lp in getattr(output, "new_logprobs", ())
                     ]
-                    prompt_logprobs = next(
-                        (
-                            output.prompt_logprobs
-                            for output in batch
-                            if getattr(output, "prompt_logprobs", None) is not None
-                        ),
-                        None,
-                    )
+                    # Only a job's first output carries them: the first of its first batch.
+                    prompt_logprobs = getattr(batch[0], "prompt_logprobs", None)
                     if finish_reason is not None:
                         if finish_reason != "length":
                             # Before the client hears of the end, so that its next
