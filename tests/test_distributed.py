@@ -306,6 +306,28 @@ async def _read_batch_tier(store: aioredis.Redis, keys: KeySpace, ids: dict[str,
     )
 
 
+def _charge_per_job() -> float:
+    """Weighted tokens the queue charges for one of the flood's jobs."""
+    config = PolicyConfig()
+    return config.input_token_weight * len(FAIR_PROMPT) + (
+        config.output_token_weight * FAIR_MAX_TOKENS
+    )
+
+
+def _could_have_emptied(first: QueueRead, a: QueueRead, b: QueueRead) -> bool:
+    """Whether a tenant's queue, as deep as it was at reads a and b, could have emptied
+    between them at three times its dispatch rate since `first` (the test later asks
+    twice the rate it measured in the window, which this keeps the window clear of)."""
+    elapsed_s = b.at_s - first.at_s
+    if elapsed_s < 1.0:  # too soon to know the rates: only a plain stall counts
+        return b.at_s - a.at_s > 0.2
+    for t, w in FAIR_WEIGHTS.items():
+        jobs_per_s = w * (b.counters[t] - first.counters[t]) / _charge_per_job() / elapsed_s
+        if min(a.queued[t], b.queued[t]) <= 3 * jobs_per_s * (b.at_s - a.at_s):
+            return True
+    return False
+
+
 async def _flood(fleet: Fleet) -> FloodResult:
     result = FloodResult([], [], [])
     keys = KeySpace(fleet.prefix)
@@ -378,12 +400,19 @@ async def _flood(fleet: Fleet) -> FloodResult:
                 await asyncio.sleep(WARMUP_S)
                 deadline_s = time.monotonic() + MAX_WINDOW_S
                 start: QueueRead | None = None
+                first: QueueRead | None = None
                 while time.monotonic() < deadline_s:
                     read = await _read_batch_tier(store, keys, ids)
+                    prev = result.reads[-1] if result.reads else None
                     result.reads.append(read)
-                    if min(read.queued[t] for t in FAIR_WEIGHTS) < MIN_QUEUED:
-                        # A tenant nearly ran dry (a client or gateway stalled on this
-                        # shared CPU): not backlogged throughout, so measure afresh.
+                    first = first or read
+                    if min(read.queued[t] for t in FAIR_WEIGHTS) < MIN_QUEUED or (
+                        prev is not None and _could_have_emptied(first, prev, read)
+                    ):
+                        # A tenant nearly ran dry, or this process stalled between two
+                        # reads long enough that a queue could have emptied unseen (a
+                        # client, a gateway or this reader stalled on this shared CPU):
+                        # not known to be backlogged throughout, so measure afresh.
                         start = None
                         await asyncio.sleep(READ_PERIOD_S)
                         continue
@@ -440,10 +469,7 @@ def test_backlogged_tenants_share_by_weight(flood: FloodResult) -> None:
     gap_s = max(b.at_s - a.at_s for a, b in itertools.pairwise(inside))
     duration_s = end.at_s - start.at_s
     # Jobs per second the queue dispatched to each tenant in the window.
-    per_job = PolicyConfig().input_token_weight * len(FAIR_PROMPT) + (
-        PolicyConfig().output_token_weight * FAIR_MAX_TOKENS
-    )
-    jobs_per_s = {t: charged[t] / per_job / duration_s for t in FAIR_WEIGHTS}
+    jobs_per_s = {t: charged[t] / _charge_per_job() / duration_s for t in FAIR_WEIGHTS}
     # For comparison only: the same share as the clients saw it (requests whose first
     # token came inside the window; edge effects of a few requests).
     config = PolicyConfig()
