@@ -166,6 +166,7 @@ class Admission:
         job: Job,
         *,
         num_choices: int = 1,
+        num_tokens: int | None = None,
         max_tokens_given: bool = True,
     ) -> Reservation:
         """Take a request, its prompt + num_choices x max_tokens tokens (the prompt is
@@ -174,11 +175,15 @@ class Admission:
         RateLimitedError (429) with the expected wait and the x-ratelimit-* headers
         (InvalidRequestError, 400, if the request exceeds the whole TPM limit: no wait
         would help). `max_tokens_given`: whether the client set max_tokens (else the
-        endpoint's default did, which the 400 then says)."""
+        endpoint's default did, which the 400 then says). `num_tokens`: the whole
+        request's tokens when it has several prompts (each billed once, each with its
+        own max_tokens), instead of the count from `job`."""
         limits = TenantLimits(
             rpm=principal.rpm, tpm=principal.tpm, max_concurrency=principal.max_concurrency
         )
-        num_tokens = job.num_prompt_tokens + num_choices * job.params.max_tokens
+        several_prompts = num_tokens is not None
+        if num_tokens is None:
+            num_tokens = job.num_prompt_tokens + num_choices * job.params.max_tokens
         try:
             reservation = await self._limiter.reserve(
                 principal.tenant_id,
@@ -190,10 +195,17 @@ class Admission:
             self._hold(reservation)
             return reservation
         except RequestExceedsLimitError as exc:
+            if several_prompts:
+                message = (
+                    f"Request too large: {num_tokens} tokens (its prompts + max_tokens "
+                    f"of each of its {num_choices} choices) exceed the limit of "
+                    f"{principal.tpm} tokens per minute. Send fewer prompts, or lower "
+                    "max_tokens or n."
+                )
+            else:
+                message = _too_large_message(principal.tpm or 0, job, num_choices, max_tokens_given)
             raise InvalidRequestError(
-                _too_large_message(principal.tpm or 0, job, num_choices, max_tokens_given),
-                param="max_tokens",
-                code="exceeds_token_limit",
+                message, param="max_tokens", code="exceeds_token_limit"
             ) from exc
         except RateLimitExceededError as exc:
             if exc.retry_after_ms is not None:

@@ -276,7 +276,6 @@ async def _build_router(
         tiers=tiers,
         openai=openai,
         dispatcher=jobs,
-        usage=usage,
         stack=stack,
     )
     routes += metrics_routes(telemetry)

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import secrets
 import shlex
 import socket
@@ -45,6 +46,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130  # the shell's code for SIGINT; nothing to add to the ^C
+    except BrokenPipeError:
+        # The reader of our output left (`... | head`): not an error of ours. Python
+        # would complain again flushing stdout at exit, so it points at nothing now.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # the shell's code for SIGPIPE
 
 
 def _parser() -> argparse.ArgumentParser:

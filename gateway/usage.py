@@ -6,9 +6,10 @@ waiting). If the database is unreachable the records stay buffered and are retri
 `max_buffered` the oldest are dropped (and counted) rather than growing without bound.
 
 Each batch is one transaction: the records go into usage_records, each with `slo_met`
-evaluated against its tier's SLOs as they stand at that moment (read in the same
-transaction), and their sums are added to the hourly rollup usage_hourly (an upsert per
-hour, tenant and tier), so the rollup never disagrees with the records it sums.
+judged against the SLO its tier had when the request ran (a record made without it, by
+its tier's SLO as it stands at the write, read in the same transaction), and their sums
+are added to the hourly rollup usage_hourly (an upsert per hour, tenant and tier), so the
+rollup never disagrees with the records it sums.
 """
 
 from __future__ import annotations
@@ -70,6 +71,11 @@ class UsageRecord:
     # The output tokens of its longest choice when it had several (None: one choice,
     # completion_tokens). Its TPOT is that choice's: the choices decode side by side.
     longest_choice_tokens: int | None = None
+    # Its tier's SLO when it ran, which it is judged by wherever it is counted (the
+    # usage report, /metrics): records are written up to seconds later (longer while the
+    # database is away), and an SLO changed meanwhile must not rewrite the verdict. Not
+    # a column. None: judged by the tier's SLO at the write.
+    slo: SloTargets | None = None
 
     @property
     def decode_tokens(self) -> int:
@@ -80,7 +86,7 @@ class UsageRecord:
 
 
 _MAX_INT = 2**31 - 1
-_RECORD_FIELDS = tuple(f.name for f in fields(UsageRecord))
+_RECORD_FIELDS = tuple(f.name for f in fields(UsageRecord) if f.name != "slo")
 # What the usage_records columns hold: text lengths, and counts as 32-bit ints.
 _TEXT_LIMITS = {"request_id": 64, "tenant_id": 40, "tier": 32, "model": 200, "outcome": 64}
 _COUNT_FIELDS = ("prompt_tokens", "completion_tokens")
@@ -177,20 +183,28 @@ async def write_usage(session: AsyncSession, records: list[UsageRecord]) -> None
     """Insert `records` and add them to the hourly rollup, inside the caller's transaction."""
     if not records:
         return
-    tiers = {rec.tier for rec in records}
-    found = await session.execute(
-        select(Tier.name, Tier.ttft_slo_ms, Tier.tpot_slo_ms).where(Tier.name.in_(tiers))
-    )
-    targets = {name: SloTargets(ttft, tpot) for name, ttft, tpot in found}
+    targets: dict[str, SloTargets] = {}
+    if tiers := {rec.tier for rec in records if rec.slo is None}:
+        found = await session.execute(
+            select(Tier.name, Tier.ttft_slo_ms, Tier.tpot_slo_ms).where(Tier.name.in_(tiers))
+        )
+        targets = {name: SloTargets(ttft, tpot) for name, ttft, tpot in found}
     # Plain dicts into a Core insert: asdict's deep copies and the ORM's bulk-insert
     # machinery cost more than the database's own work for these flat rows.
     rows = []
     for rec in records:
         row = {name: getattr(rec, name) for name in _RECORD_FIELDS}
-        row["slo_met"] = is_record_slo_met(rec, targets.get(rec.tier))
+        row["slo_met"] = is_record_slo_met(rec, rec.slo or targets.get(rec.tier))
         rows.append(row)
     await session.execute(insert(UsageRow.__table__), rows)
     await session.execute(_rollup_upsert(session.bind.dialect.name), hourly_sums(rows))
+
+
+async def write_usage_with(session: AsyncSession, record: UsageRecord) -> None:
+    """Write one record inside the caller's transaction, with what it pays for (a batch
+    line's result): both are kept or both lost, so a crash between the two can neither
+    lose a finished line's bill nor bill a line that will run again."""
+    await write_usage(session, [_fit_columns(record)])
 
 
 def prompt_served_sql(columns: Any) -> ColumnElement[bool]:

@@ -17,9 +17,10 @@ row counts:
 - slo_met / slo_attainment: requests that completed within the tier's TTFT and TPOT SLO
   (TPOT = (E2E - TTFT) / (output tokens per choice - 1)), over requests minus aborted ones (a
   client that went away did not wait for an answer). Refusals count as misses. Whether
-  a request met its SLO is decided once, against the tier's SLOs when its record is
-  written (usage_records.slo_met), so tightening a tier's SLO does not rewrite history
-  and a sum per hour can hold it;
+  a request met its SLO is decided once, against the SLOs its tier had when it ran
+  (usage_records.slo_met; /metrics counts by the same), so changing a tier's SLO does
+  not rewrite history, even of requests whose records are still being written, and a
+  sum per hour can hold it;
 - cost: input and output tokens at the tier's current prices per million tokens.
 """
 

@@ -370,14 +370,17 @@ class _BatchRun:
             # A bug, neither the line's fault nor the queue's: retried, it would fail
             # again at every pass. The line fails with a 500 (error_outcome logs it).
             outcome = error_outcome(request_id, exc)
-        await self.store.finish_line(
+        stored = await self.store.finish_line(
             self.batch_id,
             line.line_index,
             is_success=outcome.is_success,
             result_json=result_line(line.custom_id, response=outcome.response()),
             prompt_tokens=outcome.prompt_tokens,
             completion_tokens=outcome.completion_tokens,
+            usage=outcome.usage,
         )
+        if stored and outcome.usage is not None:
+            self.driver._runner.finished(outcome.usage)
 
     async def _wait(self, poke: asyncio.Event) -> None:
         """Until a line finishes, the batch is poked, or the next heartbeat is due."""

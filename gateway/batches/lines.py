@@ -5,9 +5,10 @@ context-length check, becomes a Job at the batch's tier with the batch's deadlin
 is submitted through the dispatcher like any request. A body the live endpoint would
 refuse gets the same status code and error body, in the error file; the rest of the
 batch runs. Every line that reaches an outcome leaves one UsageRecord at the batch's tier
-(and so at its price). A line the driver stops (shutdown, lost lease, cancel, expiry)
-leaves none: it runs again from the start, or is reported unfinished, and the tenant
-pays for the run that finished, not for the one the gateway broke off.
+(and so at its price), which the driver stores in the transaction that stores the
+line's result. A line the driver stops (shutdown, lost lease, cancel, expiry) leaves
+none: it runs again from the start, or is reported unfinished, and the tenant pays for
+the run that finished, not for the one the gateway broke off.
 """
 
 from __future__ import annotations
@@ -21,20 +22,20 @@ from typing import Any, Protocol
 from engine.errors import EngineDeadError, EngineError, RequestAbortedError
 from gateway.auth import Principal
 from gateway.errors import GatewayError, InvalidRequestError, error_code, error_response
+from gateway.observability.slo import SloTargets
 from gateway.openai import routes as openai_routes
 from gateway.openai.choices import (
     CollectedChoice,
-    choice_jobs,
+    RequestPlan,
     first_queue_wait_ms,
     merge_choices,
 )
-from gateway.openai.exchange import usage_record
-from gateway.openai.jobs import build_job, check_choices
+from gateway.openai.exchange import tier_slo, usage_record
 from gateway.openai.logprobs import EchoedPrompt
 from gateway.openai.responses import FinishedChoice, ResponseShape, Usage
 from gateway.openai.schemas import parse_chat_request, parse_completion_request
 from gateway.tiers import TierPolicy
-from gateway.usage import UsageRecord, UsageWriter
+from gateway.usage import UsageRecord
 from scheduler.job import Job
 
 CHAT_ENDPOINT = "/v1/chat/completions"
@@ -60,6 +61,7 @@ class LineOutcome:
     body: dict[str, Any]
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    usage: UsageRecord | None = None  # its bill, stored with its result
 
     @property
     def is_success(self) -> bool:
@@ -72,12 +74,9 @@ class LineOutcome:
 class LineRunner:
     """Admits and runs single batch lines through the live endpoint's code path."""
 
-    def __init__(
-        self, routes: openai_routes.OpenAIRoutes, jobs: JobSubmitter, usage: UsageWriter
-    ) -> None:
+    def __init__(self, routes: openai_routes.OpenAIRoutes, jobs: JobSubmitter) -> None:
         self._routes = routes
         self._jobs = jobs
-        self._usage = usage
         # Request id -> its choices' job ids, for the lines running with n > 1.
         self._choice_ids: dict[str, list[str]] = {}
 
@@ -103,15 +102,15 @@ class LineRunner:
         """
         started_s = time.monotonic()
         chat = endpoint == CHAT_ENDPOINT
-        record = _Record(request_id, principal.tenant_id, tier.name, self.model_name, started_s)
+        record = _Record(
+            request_id, principal.tenant_id, tier.name, tier_slo(tier), self.model_name, started_s
+        )
         try:
-            jobs, echoed = await self._admit(
-                request_id, principal, tier, body_json, deadline_s, chat=chat
-            )
+            plan = await self._admit(request_id, principal, tier, body_json, deadline_s, chat=chat)
         except (GatewayError, EngineError) as exc:
-            self._finished(record.finish(f"rejected:{error_code(exc)}"))
-            return error_outcome(request_id, exc)
-        record.prompt_tokens = jobs[0].num_prompt_tokens
+            return error_outcome(request_id, exc, record.finish(f"rejected:{error_code(exc)}"))
+        jobs = plan.jobs
+        record.prompt_tokens = plan.num_prompt_tokens
         streams = [self._jobs.submit(job) for job in jobs]
         job_ids = [job.job_id for job in jobs]
         if len(jobs) > 1:
@@ -122,7 +121,6 @@ class LineRunner:
             async for index, output in merge_choices(streams):
                 if record.first_token_s is None and output.new_token_ids:
                     record.first_token_s = time.monotonic()
-                record.prompt_tokens = output.num_prompt_tokens
                 record.choice_tokens[index] = output.num_output_tokens
                 choice = choices[index]
                 choice.pieces.append(output.text_delta)
@@ -136,14 +134,14 @@ class LineRunner:
             raise  # not the line's outcome (see the module docstring): no record
         except (GatewayError, EngineError) as exc:
             self._cancel_choices(job_ids)
-            self._finished(record.finish("error", first_queue_wait_ms(streams)))
-            return error_outcome(request_id, exc)
+            return error_outcome(
+                request_id, exc, record.finish("error", first_queue_wait_ms(streams))
+            )
         except BaseException:
             self._cancel_choices(job_ids)  # the driver offers the line again
             raise
         finally:
             self._choice_ids.pop(request_id, None)
-        self._finished(record.finish("ok", first_queue_wait_ms(streams)))
         shape = ResponseShape.for_request(
             request_id, model=self.model_name, service_tier=tier.name, chat=chat
         )
@@ -152,10 +150,15 @@ class LineRunner:
             200,
             request_id,
             shape.full(
-                [self._choice(c, jobs[0], chat=chat, echoed=echoed) for c in choices], usage
+                [
+                    self._choice(c, jobs[0], chat=chat, echoed=plan.echoed_for(index))
+                    for index, c in enumerate(choices)
+                ],
+                usage,
             ),
             record.prompt_tokens,
             record.completion_tokens,
+            record.finish("ok", first_queue_wait_ms(streams)),
         )
 
     def _choice(
@@ -173,10 +176,10 @@ class LineRunner:
             for job_id in job_ids:
                 self._jobs.cancel_soon(job_id)
 
-    def _finished(self, record: UsageRecord) -> None:
-        """Leave the usage record, and count the line in the metrics and the dashboard
-        like a live request of its tier (batch work shows next to what it shares with)."""
-        self._usage.record(record)
+    def finished(self, record: UsageRecord) -> None:
+        """Count a line whose result (and usage record) is stored in the metrics and the
+        dashboard, like a live request of its tier (batch work shows next to what it
+        shares with)."""
         telemetry = self._routes.deps.telemetry
         if telemetry is not None:
             telemetry.request_finished(record)
@@ -198,7 +201,7 @@ class LineRunner:
         deadline_s: float,
         *,
         chat: bool,
-    ) -> tuple[list[Job], EchoedPrompt | None]:
+    ) -> RequestPlan:
         """The jobs of the line's choices, admitted as the live endpoint admits them, and
         what `echo` puts before each choice's text."""
         # The live endpoint's own steps, in its order (see gateway.openai.routes._serve).
@@ -212,13 +215,11 @@ class LineRunner:
         # above the tenant's); an allowed one changes nothing: lines run at the batch's.
         await routes.resolve_tier(principal, options.service_tier)
         routes.check_model(options.model)
-        check_choices(options.n, tier, principal)
-        prompt_ids = await routes.prompt_token_ids_off_loop(parsed, len(body))
-        params = routes.sampling_params(options, len(prompt_ids), chat=chat)
-        job = build_job(request_id, principal, tier, prompt_ids, params, time.time(), options)
+        plan = await routes.plan(
+            parsed, len(body), request_id, principal, tier, time.time(), chat=chat
+        )
         # The deadline is the batch's (creation + window), not this line's arrival + window.
-        jobs = choice_jobs(replace(job, deadline_s=deadline_s), options.n)
-        return jobs, await routes.echoed_prompt(parsed, prompt_ids)
+        return replace(plan, jobs=[replace(job, deadline_s=deadline_s) for job in plan.jobs])
 
 
 @dataclass
@@ -226,6 +227,7 @@ class _Record:
     request_id: str
     tenant_id: str
     tier: str
+    slo: SloTargets
     model: str
     started_s: float
     prompt_tokens: int = 0
@@ -248,10 +250,15 @@ class _Record:
             choice_tokens=self.choice_tokens,
             queue_wait_ms=queue_wait_ms,
             outcome=outcome,
+            slo=self.slo,
         )
 
 
-def error_outcome(request_id: str, exc: BaseException) -> LineOutcome:
+def error_outcome(
+    request_id: str, exc: BaseException, usage: UsageRecord | None = None
+) -> LineOutcome:
     # The one error table decides status and body, as for a live request.
     response = error_response(exc)
-    return LineOutcome(response.status_code, request_id, json.loads(bytes(response.body)))
+    return LineOutcome(
+        response.status_code, request_id, json.loads(bytes(response.body)), usage=usage
+    )

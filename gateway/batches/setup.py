@@ -16,7 +16,6 @@ from gateway.batches.validation import ValidationLimits
 from gateway.openai.routes import OpenAIRoutes
 from gateway.settings import Settings
 from gateway.tiers import TierCatalog
-from gateway.usage import UsageWriter
 
 FILES_PATH = "/v1/files"
 
@@ -38,7 +37,6 @@ async def start_batch_api(
     tiers: TierCatalog,
     openai: OpenAIRoutes,
     dispatcher: JobSubmitter,
-    usage: UsageWriter,
     stack: contextlib.AsyncExitStack,
 ) -> list[BaseRoute]:
     """Start this gateway's batch driver (stopped by `stack`) and return the routes.
@@ -56,7 +54,7 @@ async def start_batch_api(
             max_body_bytes=settings.max_body_bytes,
         ),
     )
-    driver = BatchDriver(store, LineRunner(openai, dispatcher, usage), tiers, config)
+    driver = BatchDriver(store, LineRunner(openai, dispatcher), tiers, config)
     driver.start()
     stack.push_async_callback(driver.aclose)
     deps = BatchDeps(

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Select, and_, delete, func, or_, select, update
+from sqlalchemy import Select, and_, case, delete, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import aliased, defer
 
@@ -40,6 +40,7 @@ from gateway.db.batch_models import (
 )
 from gateway.db.models import Tenant, utcnow
 from gateway.openai.schemas import MAX_CHOICES
+from gateway.usage import UsageRecord, write_usage_with
 
 # The timestamp column each status sets when a batch enters it.
 _STATUS_TIME = {
@@ -95,13 +96,19 @@ class PendingLine:
 
     @functools.cached_property
     def num_choices(self) -> int:
-        """The jobs the line asks for: its body's `n` (checked when it runs; 1 if the
-        body holds no usable one). Read once: a body may be megabytes of JSON."""
+        """The jobs the line asks for: its body's `n` for each of its prompts (checked
+        when it runs; 1 where the body holds no usable count). Read once: a body may be
+        megabytes of JSON."""
         try:
-            n = json.loads(self.body_json).get("n")
+            body = json.loads(self.body_json)
+            n, prompt = body.get("n"), body.get("prompt")
         except (ValueError, AttributeError):
             return 1
-        return n if type(n) is int and 1 <= n <= MAX_CHOICES else 1
+        n = n if type(n) is int and 1 <= n <= MAX_CHOICES else 1
+        # A list of prompts (strings or token-id lists), not one prompt of token ids.
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            n *= len(prompt)
+        return min(n, MAX_CHOICES)
 
 
 class BatchStore:
@@ -295,6 +302,9 @@ class BatchStore:
         the others instead of holding every slot.
         A suspended tenant's batches are left alone (they would only hold a slot) until
         it is active again or they are past their window, when they are claimed to end.
+        A batch that only has to be ended (cancelled, or past its window) is claimed
+        first and outside the tenant's cap: ending it takes a moment, and a cancel must
+        not wait for the tenant's running batches to finish.
         """
         now = utcnow()
         free = or_(BatchRow.owner.is_(None), BatchRow.lease_expires_at < now)
@@ -315,20 +325,26 @@ class BatchStore:
         # driven now, then its rank among the tenant's free ones, oldest first). Taking
         # the lowest places first goes round the tenants, fewest driven first.
         rank = func.row_number().over(partition_by=BatchRow.tenant_id, order_by=BatchRow.created_at)
+        to_end = case((or_(BatchRow.status == CANCELLING, BatchRow.expires_at < now), 0), else_=1)
         free_batches = (
-            select(BatchRow.id, BatchRow.created_at, (num_driven + rank).label("place"))
+            select(
+                BatchRow.id,
+                BatchRow.created_at,
+                (num_driven + rank).label("place"),
+                to_end.label("runs"),
+            )
             .join(Tenant, Tenant.id == BatchRow.tenant_id)
             .where(BatchRow.status.in_(ACTIVE_STATUSES), free, runnable)
             .subquery()
         )
         query = (
             select(free_batches.c.id)
-            .order_by(free_batches.c.place, free_batches.c.created_at)
+            .order_by(free_batches.c.runs, free_batches.c.place, free_batches.c.created_at)
             .limit(limit)
         )
         if per_tenant is not None:
             # Soft: two drivers claiming at once may both take a tenant's last place.
-            query = query.where(free_batches.c.place <= per_tenant)
+            query = query.where(or_(free_batches.c.place <= per_tenant, free_batches.c.runs == 0))
         async with self._sessionmaker() as session:
             candidates = list((await session.scalars(query)).all())
         claimed = []
@@ -438,8 +454,10 @@ class BatchStore:
         result_json: str,
         prompt_tokens: int = 0,
         completion_tokens: int = 0,
+        usage: UsageRecord | None = None,
     ) -> bool:
-        """Store a line's one result; False if it already had one (nothing changes)."""
+        """Store a line's one result, and its usage record in the same transaction;
+        False if it already had one (nothing changes, nothing is billed again)."""
         async with self._sessionmaker() as session, session.begin():
             result = await session.execute(
                 update(BatchLineRow)
@@ -456,7 +474,11 @@ class BatchStore:
                     finished_at=utcnow(),
                 )
             )
-            return result.rowcount > 0
+            if result.rowcount == 0:
+                return False
+            if usage is not None:
+                await write_usage_with(session, usage)
+            return True
 
     async def begin_finalizing(self, batch_id: str, owner: str) -> bool:
         return await self._transition(batch_id, owner, IN_PROGRESS, FINALIZING)

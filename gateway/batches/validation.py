@@ -162,7 +162,7 @@ def validate_input(
             )
             continue
         try:
-            line = _parse_line(raw, endpoint, number, index)
+            line = _parse_line(raw, endpoint, number, index, limits.max_body_bytes)
         except _LineInvalid as exc:
             errors.append(exc.error)
             continue
@@ -189,7 +189,9 @@ class _LineInvalid(Exception):
         self.error = error
 
 
-def _parse_line(raw: bytes, endpoint: str, number: int, index: int) -> InputLine:
+def _parse_line(
+    raw: bytes, endpoint: str, number: int, index: int, max_body_bytes: int
+) -> InputLine:
     def invalid(code: str, message: str, param: str | None = None) -> _LineInvalid:
         return _LineInvalid(LineError(code, message, number, param))
 
@@ -223,4 +225,15 @@ def _parse_line(raw: bytes, endpoint: str, number: int, index: int) -> InputLine
     body = data.get("body")
     if not isinstance(body, dict):
         raise invalid("invalid_request", "body must be a JSON object.", "body")
+    # The body as a request would carry it at its most compact: past the live limit in
+    # this form, it is past it in any (the line's own check above leaves room for the
+    # envelope around the body).
+    num_bytes = len(json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode())
+    if num_bytes > max_body_bytes:
+        raise invalid(
+            "line_too_large",
+            f"Line {number}'s body is {num_bytes} bytes; a line's body may be at most "
+            f"{max_body_bytes} bytes, as a request's.",
+            "body",
+        )
     return InputLine(index, custom_id, json.dumps(body, separators=(",", ":")))

@@ -146,6 +146,7 @@ class FinishedRequest(Protocol):
     ttft_ms: float | None
     e2e_ms: float
     outcome: str
+    slo: SloTargets | None  # its tier's SLO when it ran (None: the tier's now)
 
     @property
     def decode_tokens(self) -> int: ...
@@ -394,7 +395,7 @@ class Telemetry:
             refusal_code = outcome.partition(":")[2] or "unknown"
         is_ok = outcome == "ok"
         tpot = tpot_ms(record.e2e_ms, record.ttft_ms, record.decode_tokens)
-        targets = self._slo_targets.get(record.tier, SloTargets())
+        targets = record.slo or self._slo_targets.get(record.tier, SloTargets())
         # A client that went away is neither a hit nor a miss: it did not wait for one.
         is_counted = outcome != "aborted"
         is_met = is_slo_met(targets, is_ok=is_ok, ttft_ms=record.ttft_ms, tpot_ms=tpot)

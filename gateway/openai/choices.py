@@ -1,12 +1,16 @@
-"""The `n` choices of one request: one job per choice, and their outputs merged.
+"""The choices of one request: one job per choice, and their outputs merged.
 
 A request asking for n > 1 choices runs as n jobs of the same tenant and tier, queued
 one after another: the fair share charges each job for the work it does, SLO admission
 judges the request by its first choice (whose first token is its TTFT), each choice
 holds a concurrency slot, and the engine batches them like any other work.
 Choice 0 keeps the request id as its job id, so a request with n = 1 is unchanged, and
-choice i of a seeded request samples with seed + i (wrapped to 64 bits): the choices
+choice j of a seeded prompt samples with seed + j (wrapped to 64 bits): the choices
 differ, and each one is reproducible on its own.
+
+A text completion with several prompts runs each one's n choices the same way: prompt
+i's choice j is the response's choice i x n + j (OpenAI's numbering), with seed + j, so
+each prompt's choices are what the same request with that prompt alone returns.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from engine.request import SamplingParams, TokenLogprob
+from gateway.openai.logprobs import EchoedPrompt
 from scheduler.job import Job
 
 T = TypeVar("T")
@@ -26,12 +31,44 @@ def choice_job_id(request_id: str, index: int) -> str:
     return request_id if index == 0 else f"{request_id}.{index}"
 
 
-def choice_jobs(job: Job, n: int) -> list[Job]:
-    """The jobs of a request's n choices; `job` is choice 0."""
-    return [job] + [
-        replace(job, job_id=choice_job_id(job.job_id, i), params=_choice_params(job.params, i))
-        for i in range(1, n)
+def choice_jobs(job: Job, n: int, *, first_index: int = 0) -> list[Job]:
+    """The jobs of a prompt's n choices, the response's choices first_index onwards;
+    `job` is the request's, its id the request id."""
+    return [
+        replace(
+            job,
+            job_id=choice_job_id(job.job_id, first_index + j),
+            params=_choice_params(job.params, j),
+        )
+        if first_index + j
+        else job
+        for j in range(n)
     ]
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    """What a validated request runs as: a job per (prompt, choice), in the response's
+    choice order, and what each prompt adds to the response and its bill."""
+
+    jobs: list[Job]
+    n: int  # choices per prompt
+    prompt_tokens: list[int]  # each prompt's
+    echoed: list[EchoedPrompt] | None  # each prompt's, with `echo`
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Billed once per prompt, however many choices it has (as OpenAI counts)."""
+        return sum(self.prompt_tokens)
+
+    @property
+    def num_reserved_tokens(self) -> int:
+        """What the request may use at most: its prompts and every choice's max_tokens."""
+        return self.num_prompt_tokens + sum(job.params.max_tokens for job in self.jobs)
+
+    def echoed_for(self, index: int) -> EchoedPrompt | None:
+        """What `echo` puts before choice `index` (None without it)."""
+        return None if self.echoed is None else self.echoed[index // self.n]
 
 
 def _choice_params(params: SamplingParams, index: int) -> SamplingParams:

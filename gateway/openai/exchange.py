@@ -9,7 +9,9 @@ from datetime import UTC, datetime
 
 from gateway.auth import Principal
 from gateway.observability import RequestTimeline
+from gateway.observability.slo import SloTargets
 from gateway.openai.choices import choice_counts, first_queue_wait_ms
+from gateway.tiers import TierPolicy
 from gateway.usage import UsageRecord
 from scheduler.rate_limit import Reservation
 from scheduler.results import JobStream
@@ -35,6 +37,7 @@ class Exchange:
     is_stream: bool = False
     stream_began: bool = False  # the server started its SSE body
     reservation: Reservation | None = None
+    slo: SloTargets | None = None  # the SLO of the tier it runs at, once that is known
 
     @property
     def num_completion_tokens(self) -> int:
@@ -73,6 +76,7 @@ class Exchange:
             choice_tokens=self.choice_tokens,
             queue_wait_ms=first_queue_wait_ms(self.streams),
             outcome=outcome,
+            slo=self.slo,
         )
 
 
@@ -88,9 +92,10 @@ def usage_record(
     choice_tokens: list[int],
     queue_wait_ms: float | None,
     outcome: str,
+    slo: SloTargets | None,
 ) -> UsageRecord:
     """The UsageRecord of a request (live, or a batch line) ending now; times are
-    monotonic seconds."""
+    monotonic seconds, `slo` the SLO of the tier it ran at."""
     now = time.monotonic()
     ttft_ms = None if first_token_s is None else (first_token_s - started_s) * 1000.0
     return UsageRecord(
@@ -104,5 +109,10 @@ def usage_record(
         e2e_ms=(now - started_s) * 1000.0,
         outcome=outcome,
         created_at=datetime.now(UTC),
+        slo=slo,
         **choice_counts(choice_tokens),
     )
+
+
+def tier_slo(tier: TierPolicy) -> SloTargets:
+    return SloTargets(tier.ttft_slo_ms, tier.tpot_slo_ms)

@@ -10,22 +10,26 @@ from gateway.tiers import TierPolicy
 from scheduler.job import Job
 
 
-def check_choices(n: int, tier: TierPolicy, principal: Principal) -> None:
+def check_choices(n: int, tier: TierPolicy, principal: Principal, *, num_prompts: int = 1) -> None:
     """A 400 for more choices than could ever run: each is a job the tier's queue must
     hold, and a sequence that takes one of the tenant's concurrency slots; refused as
-    "not now" (429), the request would be refused however long the client waited."""
+    "not now" (429), the request would be refused however long the client waited.
+    Several prompts each have n choices."""
+    total = n * num_prompts
+    asked = f"n={n}" if num_prompts == 1 else f"{num_prompts} prompts x n={n}"
+    param = "n" if num_prompts == 1 else "prompt"
     cap = tier.max_queued_jobs
-    if cap is not None and n > cap:
+    if cap is not None and total > cap:
         raise InvalidRequestError(
-            f"n={n} is more choices than the {tier.name!r} tier queues at once ({cap}).",
-            param="n",
+            f"{asked} is more choices than the {tier.name!r} tier queues at once ({cap}).",
+            param=param,
         )
     slots = principal.max_concurrency
-    if slots is not None and n > slots:
+    if slots is not None and total > slots:
         raise InvalidRequestError(
-            f"n={n} choices run as {n} concurrent sequences, more than this key's "
+            f"{asked} choices run as {total} concurrent sequences, more than this key's "
             f"concurrency limit of {slots}.",
-            param="n",
+            param=param,
             code="exceeds_concurrency_limit",
         )
 

@@ -43,9 +43,9 @@ from gateway.errors import (
 from gateway.middleware import request_id_of
 from gateway.observability import Telemetry
 from gateway.observability.slo import is_prompt_served
-from gateway.openai.choices import CollectedChoice, choice_jobs, merge_choices
+from gateway.openai.choices import CollectedChoice, RequestPlan, choice_jobs, merge_choices
 from gateway.openai.echo import echoed_prompt
-from gateway.openai.exchange import Exchange
+from gateway.openai.exchange import Exchange, tier_slo
 from gateway.openai.jobs import build_job, check_choices
 from gateway.openai.logprobs import EchoedPrompt, LogprobsWriter, TokenTexts
 from gateway.openai.responses import SSE_DONE, FinishedChoice, ResponseShape, Usage
@@ -53,6 +53,7 @@ from gateway.openai.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerationOptions,
+    Prompt,
     parse_chat_request,
     parse_completion_request,
 )
@@ -167,20 +168,15 @@ class OpenAIRoutes:
             parsed = parse_chat_request(body) if chat else parse_completion_request(body)
             options = parsed.options
             tier = await self.resolve_tier(principal, options.service_tier)
-            exchange.tier = tier.name
+            exchange.tier, exchange.slo = tier.name, tier_slo(tier)
             self.check_model(options.model)
-            check_choices(options.n, tier, principal)
-            prompt_ids = await self.prompt_token_ids_off_loop(parsed, len(body))
-            exchange.num_prompt_tokens = len(prompt_ids)
-            params = self.sampling_params(options, len(prompt_ids), chat=chat)
-            job = build_job(request_id, principal, tier, prompt_ids, params, arrival_s, options)
-            exchange.choice_tokens = [0] * options.n
-            echoed = await self.echoed_prompt(parsed, prompt_ids)
+            plan = await self.plan(
+                parsed, len(body), request_id, principal, tier, arrival_s, chat=chat
+            )
+            exchange.num_prompt_tokens = plan.num_prompt_tokens
+            exchange.choice_tokens = [0] * len(plan.jobs)
             headers = await self._admit(
-                exchange,
-                choice_jobs(job, options.n),
-                tier,
-                max_tokens_given=options.max_tokens is not None,
+                exchange, plan, tier, max_tokens_given=options.max_tokens is not None
             )
         except ClientDisconnect:
             self._finish(exchange, "aborted")  # gone before its body arrived
@@ -211,7 +207,9 @@ class OpenAIRoutes:
             self._finish(exchange, f"rejected:{error_code(exc)}")
             if self.deps.admission is None:
                 raise
-            raise await self.deps.admission.queue_timeout_refusal(exc, job, tier, headers) from exc
+            raise await self.deps.admission.queue_timeout_refusal(
+                exc, plan.jobs[0], tier, headers
+            ) from exc
         except Exception:
             # Answered with an error: the jobs must not run on for nobody.
             self._cancel_soon(exchange.job_ids)
@@ -220,7 +218,7 @@ class OpenAIRoutes:
         if options.stream:
             exchange.is_stream = True
             return StreamingResponse(
-                self._stream(exchange, shape, first, outputs, options, echoed),
+                self._stream(exchange, shape, first, outputs, options, plan),
                 media_type="text/event-stream",
                 headers={"cache-control": "no-cache", **headers},
                 background=BackgroundTask(self._end_unbegun_stream, exchange, outputs),
@@ -229,9 +227,12 @@ class OpenAIRoutes:
         usage = Usage(exchange.num_prompt_tokens, exchange.num_completion_tokens)
         choices = [
             self.finished_choice(
-                c, with_logprobs=options.logprobs is not None, chat=chat, echoed=echoed
+                c,
+                with_logprobs=options.logprobs is not None,
+                chat=chat,
+                echoed=plan.echoed_for(index),
             )
-            for c in collected
+            for index, c in enumerate(collected)
         ]
         return JSONResponse(shape.full(choices, usage), headers=headers)
 
@@ -251,15 +252,45 @@ class OpenAIRoutes:
             logprobs = self.logprobs_writer(chat=chat).body(choice.logprobs, echoed=prompt)
         return FinishedChoice(text, choice.finish_reason, logprobs)
 
+    async def plan(
+        self,
+        parsed: CompletionRequest | ChatCompletionRequest,
+        num_body_bytes: int,
+        request_id: str,
+        principal: Principal,
+        tier: TierPolicy,
+        arrival_s: float,
+        *,
+        chat: bool,
+    ) -> RequestPlan:
+        """The jobs a request runs as, one per (prompt, choice), each prompt tokenised,
+        fitted to the context and given its sampling parameters; a typed 4xx if any
+        cannot run."""
+        options = parsed.options
+        n = options.n
+        num_prompts = 1 if isinstance(parsed, ChatCompletionRequest) else len(parsed.prompts)
+        check_choices(n, tier, principal, num_prompts=num_prompts)
+        prompts_ids = await self.prompt_token_ids_off_loop(parsed, num_body_bytes)
+        jobs: list[Job] = []
+        for i, prompt_ids in enumerate(prompts_ids):
+            params = self.sampling_params(options, len(prompt_ids), chat=chat)
+            job = build_job(request_id, principal, tier, prompt_ids, params, arrival_s, options)
+            jobs.extend(choice_jobs(job, n, first_index=i * n))
+        echoed = None
+        if options.echo and isinstance(parsed, CompletionRequest):
+            echoed = [
+                await self.echoed_prompt(parsed, prompt, prompt_ids)
+                for prompt, prompt_ids in zip(parsed.prompts, prompts_ids, strict=True)
+            ]
+        return RequestPlan(jobs, n, [len(ids) for ids in prompts_ids], echoed)
+
     async def echoed_prompt(
-        self, parsed: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int]
-    ) -> EchoedPrompt | None:
-        """What `echo` puts before each choice (None without it). Its offsets cost a few
+        self, parsed: CompletionRequest, prompt: Prompt, prompt_ids: list[int]
+    ) -> EchoedPrompt:
+        """What `echo` puts before each choice of `prompt`. Its offsets cost a few
         microseconds a token: a long prompt's are counted in a worker thread."""
         options = parsed.options
-        if not options.echo or not isinstance(parsed, CompletionRequest):
-            return None
-        text = parsed.prompt if isinstance(parsed.prompt, str) else None
+        text = prompt if isinstance(prompt, str) else None
         with_offsets = options.logprobs is not None
         args = (self.deps.model.tokenizer, prompt_ids, text)
         if not with_offsets or len(prompt_ids) < OFF_LOOP_MIN_ECHO_TOKENS:
@@ -268,17 +299,22 @@ class OpenAIRoutes:
             return await asyncio.to_thread(echoed_prompt, *args, with_offsets=True)
 
     async def _admit(
-        self, exchange: Exchange, jobs: list[Job], tier: TierPolicy, *, max_tokens_given: bool
+        self, exchange: Exchange, plan: RequestPlan, tier: TierPolicy, *, max_tokens_given: bool
     ) -> dict[str, str]:
         """Rate limits, SLO admission, enqueue of each choice's job; returns the
         x-ratelimit-* headers. One refusal refuses the request: choices already queued
         are cancelled."""
         admission = self.deps.admission
+        jobs = plan.jobs
         if admission is None:
             await self._enqueue_all(exchange, jobs, self.deps.dispatcher.submit_and_wait)
             return {}
         reservation = await admission.reserve(
-            exchange.principal, jobs[0], num_choices=len(jobs), max_tokens_given=max_tokens_given
+            exchange.principal,
+            jobs[0],
+            num_choices=len(jobs),
+            num_tokens=plan.num_reserved_tokens if len(plan.prompt_tokens) > 1 else None,
+            max_tokens_given=max_tokens_given,
         )
         headers = reservation.status.headers()
         try:
@@ -347,7 +383,7 @@ class OpenAIRoutes:
 
     async def prompt_token_ids_off_loop(
         self, parsed: CompletionRequest | ChatCompletionRequest, num_body_bytes: int
-    ) -> list[int]:
+    ) -> list[list[int]]:
         """prompt_token_ids, without stalling the event loop on a large prompt.
 
         A prompt longer in characters than the context can hold in tokens is refused
@@ -364,15 +400,16 @@ class OpenAIRoutes:
     def _refuse_unfittable(self, parsed: CompletionRequest | ChatCompletionRequest) -> None:
         if isinstance(parsed, ChatCompletionRequest):
             self._refuse_too_many_messages(parsed)
-            num_chars, param = sum(len(m.content) for m in parsed.messages), "messages"
-        elif isinstance(parsed.prompt, str):
-            num_chars, param = len(parsed.prompt), "prompt"
-        else:
-            return  # token ids: their count is known
+            texts, param = [sum(len(m.content) for m in parsed.messages)], "messages"
+        else:  # token ids: their count is known
+            texts, param = [len(p) for p in parsed.prompts if isinstance(p, str)], "prompt"
         max_model_len = self.deps.model.max_model_len
         # Twice the bound: it only has to stop absurd inputs, never a prompt that fits.
-        if num_chars > 2 * max_model_len * self.deps.model.tokenizer.max_token_chars:
-            raise PromptTooLongError(num_chars=num_chars, max_model_len=max_model_len, param=param)
+        for num_chars in texts:
+            if num_chars > 2 * max_model_len * self.deps.model.tokenizer.max_token_chars:
+                raise PromptTooLongError(
+                    num_chars=num_chars, max_model_len=max_model_len, param=param
+                )
 
     def _refuse_too_many_messages(self, parsed: ChatCompletionRequest) -> None:
         """Empty messages have no characters, so the bound above lets any number of them
@@ -390,16 +427,23 @@ class OpenAIRoutes:
                 code="context_length_exceeded",
             )
 
-    def prompt_token_ids(self, parsed: CompletionRequest | ChatCompletionRequest) -> list[int]:
-        """The prompt as token ids (chat template applied); a typed 400 if unusable."""
+    def prompt_token_ids(
+        self, parsed: CompletionRequest | ChatCompletionRequest
+    ) -> list[list[int]]:
+        """Each prompt as token ids (chat: its one, template applied); a typed 400 if
+        any is unusable."""
         tokenizer = self.deps.model.tokenizer
         if isinstance(parsed, ChatCompletionRequest):
             messages = [m.as_template_dict() for m in parsed.messages]
-            return list(tokenizer.apply_chat_template(messages))
-        if isinstance(parsed.prompt, str):
-            ids = list(tokenizer.encode(parsed.prompt))
+            return [list(tokenizer.apply_chat_template(messages))]
+        return [self._completion_prompt_ids(prompt) for prompt in parsed.prompts]
+
+    def _completion_prompt_ids(self, prompt: Prompt) -> list[int]:
+        tokenizer = self.deps.model.tokenizer
+        if isinstance(prompt, str):
+            ids = list(tokenizer.encode(prompt))
         else:
-            ids = list(parsed.prompt)
+            ids = list(prompt)
             vocab_size = tokenizer.vocab_size
             if any(t >= vocab_size for t in ids):
                 raise InvalidRequestError(
@@ -432,12 +476,16 @@ class OpenAIRoutes:
                 else ("messages" if chat else "prompt"),
             )
         vocab_size = self.deps.model.tokenizer.vocab_size
-        for token, _ in options.logit_bias:
-            if token >= vocab_size:
-                raise InvalidRequestError(
-                    f"logit_bias token id {token} is not below the vocabulary size {vocab_size}.",
-                    param="logit_bias",
-                )
+        for param, tokens in (
+            ("logit_bias", [token for token, _ in options.logit_bias]),
+            ("stop_token_ids", options.stop_token_ids),
+        ):
+            for token in tokens:
+                if token >= vocab_size:
+                    raise InvalidRequestError(
+                        f"{param} token id {token} is not below the vocabulary size {vocab_size}.",
+                        param=param,
+                    )
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=options.temperature,
@@ -448,6 +496,8 @@ class OpenAIRoutes:
             frequency_penalty=options.frequency_penalty,
             logit_bias=options.logit_bias,
             top_k=options.top_k,
+            stop_token_ids=options.stop_token_ids,
+            ignore_eos=options.ignore_eos,
             logprobs=options.logprobs,
             # echo with logprobs reports the prompt tokens' too.
             prompt_logprobs=options.logprobs if options.echo else None,
@@ -481,7 +531,7 @@ class OpenAIRoutes:
         first: tuple[int, Any] | None,
         outputs: AsyncGenerator[tuple[int, Any], None],
         options: GenerationOptions,
-        echoed: EchoedPrompt | None = None,
+        plan: RequestPlan,
     ) -> AsyncIterator[bytes]:
         exchange.stream_began = True
         outcome = "aborted"
@@ -493,7 +543,7 @@ class OpenAIRoutes:
         pending: list[list[TokenLogprob]] = [[] for _ in range(num_choices)]
         # With echo, each choice's first chunk is the prompt, sent with its first output
         # (which brings the prompt's log-probabilities).
-        to_echo = set(range(num_choices)) if echoed is not None else set()
+        to_echo = set(range(num_choices)) if plan.echoed is not None else set()
         try:
             if shape.chat:
                 for index in range(num_choices):
@@ -503,6 +553,7 @@ class OpenAIRoutes:
             item = first
             while item is not None:
                 index, output = item
+                echoed = plan.echoed_for(index)
                 if index in to_echo and echoed is not None:
                     to_echo.discard(index)
                     writer = writers[index]
@@ -581,7 +632,6 @@ class OpenAIRoutes:
             exchange.last_token_s = time.monotonic()
             if exchange.first_token_s is None and not is_streamed:
                 exchange.first_token_s = exchange.last_token_s
-        exchange.num_prompt_tokens = output.num_prompt_tokens
         exchange.choice_tokens[index] = output.num_output_tokens
 
     def _finish(self, exchange: Exchange, outcome: str) -> None:

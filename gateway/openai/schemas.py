@@ -22,6 +22,7 @@ MAX_STOP_SEQUENCES = 4
 # once. Bounded, the strings' copies stay under 6 MB; the prompt's are bounded by the
 # context and n by the tenant's concurrency limit (a slot per choice).
 MAX_STOP_CHARS = 1_000
+MAX_STOP_TOKEN_IDS = 256  # copied into each choice's job, like the stop strings
 MAX_USER_CHARS = 256
 MAX_TEMPERATURE = 2.0
 MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2]
@@ -47,6 +48,10 @@ class GenerationOptions:
     frequency_penalty: float
     logit_bias: tuple[tuple[int, float], ...]  # (token id, bias), sorted by id
     top_k: int  # 0: no cut (vLLM's extension; -1 means the same there)
+    # vLLM's extensions: more tokens that end a choice (finish_reason "stop"), and
+    # generating through end-of-sequence to max_tokens (how load generators fix lengths).
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
     # None: no log-probabilities; n: each token's with the n most likely (chat's
     # top_logprobs, or the text endpoint's logprobs).
     logprobs: int | None
@@ -58,12 +63,24 @@ class GenerationOptions:
     service_tier: str | None
 
 
+Prompt = str | tuple[int, ...]  # text, or token ids
+
+
 @dataclass(frozen=True)
 class CompletionRequest:
-    """POST /v1/completions: a single prompt, as text or as token ids."""
+    """POST /v1/completions: one prompt or several, each as text or as token ids.
 
-    prompt: str | tuple[int, ...]
+    Several prompts (a list of strings, or of token-id lists) are a batch of requests in
+    one: prompt i's choice j is the response's choice i x n + j, as OpenAI numbers them.
+    """
+
+    prompts: tuple[Prompt, ...]
     options: GenerationOptions
+
+    @property
+    def prompt(self) -> Prompt:
+        """The first prompt (the only one, in the common case)."""
+        return self.prompts[0]
 
 
 @dataclass(frozen=True)
@@ -111,7 +128,15 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
 
 def parse_completion_request(body: bytes) -> CompletionRequest:
     data = parse_json_object(body)
-    return CompletionRequest(prompt=_prompt(data), options=_options(data, chat=False))
+    options = _options(data, chat=False)
+    prompts = _prompts(data)
+    if len(prompts) * options.n > MAX_CHOICES:
+        raise InvalidRequestError(
+            f"{len(prompts)} prompts x n={options.n} is {len(prompts) * options.n} "
+            f"choices; a request makes at most {MAX_CHOICES}.",
+            param="prompt",
+        )
+    return CompletionRequest(prompts=prompts, options=options)
 
 
 def parse_chat_request(body: bytes) -> ChatCompletionRequest:
@@ -179,6 +204,8 @@ def _options(data: dict[str, Any], *, chat: bool) -> GenerationOptions:
         **penalties,
         logit_bias=_logit_bias(data),
         top_k=_top_k(data),
+        stop_token_ids=_stop_token_ids(data),
+        ignore_eos=_optional(data, "ignore_eos", bool) or False,
         logprobs=_chat_logprobs(data) if chat else _completion_logprobs(data),
         n=n,
         echo=_echo(data, chat=chat, n=n),
@@ -215,6 +242,14 @@ _DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "tool_choice": ("none",),
     "function_call": ("none",),
     "modalities": (["text"],),
+    # vLLM's output knobs, at the behaviour this server has.
+    "skip_special_tokens": (True,),
+    "include_stop_str_in_output": (False,),
+    "spaces_between_special_tokens": (True,),
+    "use_beam_search": (False,),
+    "truncate_prompt_tokens": (),
+    "allowed_token_ids": (),
+    "bad_words": (),
 }
 MAX_COMPLETION_LOGPROBS = 5  # the text endpoint's cap
 MAX_TOP_LOGPROBS = 20  # chat's
@@ -281,6 +316,23 @@ def _chat_logprobs(data: dict[str, Any]) -> int | None:
     return (n or 0) if wanted else None
 
 
+def _stop_token_ids(data: dict[str, Any]) -> tuple[int, ...]:
+    """vLLM's `stop_token_ids` (each below the vocabulary size, checked by the routes)."""
+    ids = _optional(data, "stop_token_ids", list)
+    if ids is None:
+        return ()
+    if not all(_is_int(t) and t >= 0 for t in ids):
+        raise InvalidRequestError(
+            "stop_token_ids must be a list of token ids (integers >= 0).", param="stop_token_ids"
+        )
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequestError(
+            f"stop_token_ids holds at most {MAX_STOP_TOKEN_IDS} token ids.",
+            param="stop_token_ids",
+        )
+    return tuple(sorted(set(ids)))
+
+
 def _top_k(data: dict[str, Any]) -> int:
     """vLLM's `top_k`: sample among the k most likely tokens; 0 or -1 for all."""
     k = _optional(data, "top_k", int)
@@ -345,35 +397,34 @@ def _seed(data: dict[str, Any]) -> int | None:
     return seed
 
 
-def _prompt(data: dict[str, Any]) -> str | tuple[int, ...]:
+def _prompts(data: dict[str, Any]) -> tuple[Prompt, ...]:
     if "prompt" not in data or data["prompt"] is None:
         raise InvalidRequestError("Missing required parameter: 'prompt'.", param="prompt")
     prompt = data["prompt"]
     if isinstance(prompt, str):
-        return prompt
+        return (prompt,)
     if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        if any(t < 0 for t in prompt):
-            raise InvalidRequestError("Token ids must be >= 0.", param="prompt")
+        return (_token_ids(prompt),)
+    # A list of prompts: all strings, or all token-id lists (OpenAI's two array forms).
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         return tuple(prompt)
-    # A list holding exactly one prompt (text or ids) is a batch of one: accept it.
-    if isinstance(prompt, list) and len(prompt) == 1:
-        only = prompt[0]
-        if isinstance(only, str) or (
-            isinstance(only, list) and only and all(_is_int(t) for t in only)
-        ):
-            return _prompt({"prompt": only})
     if (
         isinstance(prompt, list)
-        and len(prompt) > 1
-        and all(isinstance(p, str | list) for p in prompt)
+        and prompt
+        and all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt)
     ):
-        raise InvalidRequestError(
-            "Only a single prompt per request is supported (a string or a list of token ids).",
-            param="prompt",
-        )
+        return tuple(_token_ids(p) for p in prompt)
     raise InvalidRequestError(
-        "prompt must be a string or a non-empty list of token ids.", param="prompt"
+        "prompt must be a string, a non-empty list of token ids, or a non-empty list of "
+        "either (all strings, or all token-id lists).",
+        param="prompt",
     )
+
+
+def _token_ids(prompt: list[int]) -> tuple[int, ...]:
+    if any(t < 0 for t in prompt):
+        raise InvalidRequestError("Token ids must be >= 0.", param="prompt")
+    return tuple(prompt)
 
 
 def _messages(data: dict[str, Any]) -> tuple[ChatMessage, ...]:

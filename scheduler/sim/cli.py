@@ -187,6 +187,8 @@ def run(args: argparse.Namespace) -> int:
             return _run_one(args)
         if args.simulate_command == "report":
             return _report(args)
+    except BrokenPipeError:
+        raise  # the reader of the output left: the caller's to end quietly
     except (CostModelError, SimulationError, WorkloadError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

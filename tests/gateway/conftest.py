@@ -8,6 +8,7 @@ the real admin API.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import socket
@@ -290,3 +291,14 @@ async def usage_rows(database_url: str, request_ids: list[str]) -> list[Any]:
             return list((await session.scalars(query)).all())
     finally:
         await engine.dispose()
+
+
+def wait_for_usage_rows(database_url: str, request_ids: list[str]) -> list[Any]:
+    """The usage rows of `request_ids` once all are written (the writer batches them
+    off the request path), or as many as there are after 10 s."""
+    deadline = time.monotonic() + 10
+    while True:
+        rows = asyncio.run(usage_rows(database_url, request_ids))
+        if len(rows) >= len(request_ids) or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.1)

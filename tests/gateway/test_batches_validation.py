@@ -101,3 +101,20 @@ def test_create_request() -> None:
         with pytest.raises(InvalidRequestError) as info:
             parse_create_request(json.dumps({**body, **change}).encode())
         assert info.value.param == param
+
+
+def test_a_body_over_the_request_limit_fails_though_its_line_fits() -> None:
+    # The line's own bound leaves room for the envelope (custom_id, url): a body within
+    # that room but over the live limit would run here and be a 413 on the endpoint.
+    limits = ValidationLimits(max_body_bytes=1024)
+    big = _line("big", body={"model": "m", "messages": [{"role": "user", "content": "x" * 1100}]})
+    assert len(big) < limits.max_body_bytes + 8 * 1024
+    lines, errors = validate_input(_line("a") + b"\n" + big, CHAT, limits)
+    assert lines == []
+    assert [(e.code, e.line, e.param) for e in errors] == [("line_too_large", 2, "body")]
+    # Counted as UTF-8, as a request's bytes are: not inflated by the file's \\u escapes.
+    snowmen = {"model": "m", "messages": [{"role": "user", "content": "\u2603" * 300}]}
+    fits = _line("fits", body=snowmen)  # 6 bytes a snowman here, 3 in the body
+    assert len(fits) > limits.max_body_bytes
+    lines, errors = validate_input(fits, CHAT, limits)
+    assert (len(lines), errors) == (1, [])

@@ -22,7 +22,7 @@ from tests.gateway.conftest import (
     ServerThread,
     paced_tier,
     run_one_line_batch,
-    usage_rows,
+    wait_for_usage_rows,
 )
 
 MODEL = "tiny-random"
@@ -110,7 +110,7 @@ def test_choices_leave_one_usage_record(queue_server: LiveServer) -> None:
     reply = raw.parse()
     lengths = [len(c.logprobs.tokens) for c in reply.choices]
     request_id = raw.headers["x-request-id"]
-    rows = _wait_for_rows(queue_server.database_url, [request_id])
+    rows = wait_for_usage_rows(queue_server.database_url, [request_id])
     assert len(rows) == 1
     assert rows[0].outcome == "ok"
     assert rows[0].prompt_tokens == reply.usage.prompt_tokens
@@ -170,7 +170,7 @@ def test_a_client_gone_mid_stream_stops_every_choice(queue_server: LiveServer) -
         assert response.status_code == 200
         request_id = response.headers["x-request-id"]
         next(response.iter_lines())  # one event, then hang up
-    rows = _wait_for_rows(queue_server.database_url, [request_id])
+    rows = wait_for_usage_rows(queue_server.database_url, [request_id])
     assert rows[0].outcome == "aborted"
     assert rows[0].completion_tokens < 3 * 240
     deadline = time.monotonic() + 5
@@ -275,15 +275,6 @@ def test_a_batch_runs_as_many_choices_at_once_as_its_window(queue_server: LiveSe
     assert batch.status == "completed", batch
     assert batch.request_counts.completed == 4
     assert 1 <= most <= 4  # seen running, never more than the window
-
-
-def _wait_for_rows(database_url: str, request_ids: list[str]) -> list[Any]:
-    deadline = time.monotonic() + 10
-    while True:
-        rows = asyncio.run(usage_rows(database_url, request_ids))
-        if len(rows) >= len(request_ids) or time.monotonic() > deadline:
-            return rows
-        time.sleep(0.1)
 
 
 # ------------------------------------------------------------------ the pieces alone

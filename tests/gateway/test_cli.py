@@ -273,3 +273,15 @@ def test_what_would_fail_at_start_up_is_one_message(
     assert ran.returncode == 2, ran.stderr[-2000:]
     assert message in ran.stderr
     assert "Traceback" not in ran.stderr
+
+
+def test_output_piped_to_a_reader_that_leaves_ends_quietly() -> None:
+    # `tiergate ... | head`: the reader closes the pipe before the output is written.
+    command = [sys.executable, "-m", "gateway.cli", "simulate", "presets", "h200-llama-3.1-8b"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+        assert proc.stdout is not None
+        assert proc.stderr is not None
+        proc.stdout.close()
+        stderr = proc.stderr.read()
+    assert proc.returncode == 141  # as the shell reports a SIGPIPE
+    assert stderr == b""  # no traceback, no "error:"

@@ -145,7 +145,11 @@ def test_a_prompt_longer_than_any_context_is_refused_unread(live_server: LiveSer
         ({"n": 2, "best_of": 3}, "best_of"),
         ({"max_tokens": "many"}, "max_tokens"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
-        ({"prompt": ["one", "two"]}, "prompt"),
+        ({"prompt": ["one", [2]]}, "prompt"),  # prompts of both forms
+        ({"prompt": [[1], [10**9]]}, "prompt"),
+        ({"prompt": ["x"] * 129}, "prompt"),
+        ({"stop_token_ids": [10**9]}, "stop_token_ids"),
+        ({"ignore_eos": 1}, "ignore_eos"),
         ({"prompt": [10**9]}, "prompt"),
         ({"prompt": [[[1]]]}, "prompt"),
         ({"prompt": [[["hi"]]]}, "prompt"),

@@ -344,6 +344,46 @@ def test_dashboard_tenants_count_what_the_usage_report_counts() -> None:
     telemetry.shutdown()
 
 
+def test_metrics_judge_a_request_by_the_slo_it_ran_under() -> None:
+    # As the usage report does: a tier's SLO changed between the request and its count
+    # does not change the verdict.
+    from types import SimpleNamespace
+
+    from gateway.observability.slo import SloTargets
+    from gateway.usage import UsageRecord
+
+    telemetry = Telemetry(TelemetryConfig.from_env({"OTEL_SDK_DISABLED": "true"}))
+    tier = SimpleNamespace(name="interactive", rank=1, ttft_slo_ms=2000.0, tpot_slo_ms=None)
+    telemetry.set_tiers([tier])
+    for i, (ttft_ms, slo) in enumerate(
+        [
+            (20.0, SloTargets(ttft_slo_ms=10.0)),
+            (20.0, None),
+            (5000.0, SloTargets(None, None)),
+            (30.0, SloTargets(ttft_slo_ms=10.0)),
+        ]
+    ):
+        telemetry.request_finished(
+            UsageRecord(
+                f"req_{i}",
+                "ten_a",
+                "interactive",
+                MODEL,
+                3,
+                4,
+                1.0,
+                ttft_ms,
+                9000.0,
+                "ok",
+                datetime.now(UTC),
+                slo=slo,
+            )
+        )
+    (bucket,) = [b for b in telemetry.recent.series(600) if b["requests"]]
+    assert (bucket["requests"]["interactive"], bucket["met"]["interactive"]) == (4, 2)
+    telemetry.shutdown()
+
+
 def test_usage_writer_counts_are_on_metrics(live_server: LiveServer) -> None:
     before = value(scrape(live_server), "tiergate_usage_records_written_total")
     live_server.client().completions.create(model=MODEL, prompt="count me", max_tokens=2)

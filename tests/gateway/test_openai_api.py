@@ -198,6 +198,40 @@ def test_stop_string_truncates_and_finishes_with_stop(live_server: LiveServer) -
     assert cut.choices[0].finish_reason == "stop"
 
 
+def test_ignore_eos_and_stop_token_ids(live_server: LiveServer) -> None:
+    """vLLM's extensions, through the client's extra_body: ignore_eos generates through
+    end-of-sequence to max_tokens (as load generators fix output lengths), and
+    stop_token_ids end a choice on other tokens."""
+    client = live_server.client()
+    (eos, *_) = live_server.engine.tokenizer.eos_token_ids
+    args = {"model": MODEL, "prompt": "abc", "max_tokens": 6, "temperature": 0, "logprobs": 0}
+    forced_eos = {str(eos): 100}  # the model's every next token is end-of-sequence
+    ended = client.completions.create(**args, logit_bias=forced_eos)
+    assert (ended.choices[0].finish_reason, ended.usage.completion_tokens) == ("stop", 1)
+    through = client.completions.create(
+        **args, logit_bias=forced_eos, extra_body={"ignore_eos": True}
+    )
+    assert (through.choices[0].finish_reason, through.usage.completion_tokens) == ("length", 6)
+    # Token 42 forced at every step: a stop token when listed, nothing when not.
+    forced_42 = {str(eos): -100, "42": 100}
+    runs = client.completions.create(**args, logit_bias=forced_42)
+    assert (runs.choices[0].finish_reason, runs.usage.completion_tokens) == ("length", 6)
+    stopped = client.completions.create(
+        **args, logit_bias=forced_42, extra_body={"stop_token_ids": [7, 42]}
+    )
+    assert (stopped.choices[0].finish_reason, stopped.usage.completion_tokens) == ("stop", 1)
+    other = client.completions.create(
+        **args, logit_bias=forced_42, extra_body={"stop_token_ids": [43]}
+    )
+    assert other.choices[0].text == runs.choices[0].text
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(**args, extra_body={"stop_token_ids": [10**9]})
+    assert refused.value.param == "stop_token_ids"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(**args, extra_body={"skip_special_tokens": False})
+    assert refused.value.param == "skip_special_tokens"
+
+
 def test_chat_stream_with_usage_matches_the_whole_reply(live_server: LiveServer) -> None:
     client = live_server.client()
     whole = client.chat.completions.create(

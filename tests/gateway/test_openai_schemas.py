@@ -116,6 +116,20 @@ def test_completion_accepts_a_batch_of_one(prompt: object, expected: object) -> 
     assert parse_completion_request(_body(model="m", prompt=prompt)).prompt == expected
 
 
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [
+        (["one", "", "three"], ("one", "", "three")),
+        ([[4, 5], [6]], ((4, 5), (6,))),
+        (["a"] * 64, ("a",) * 64),
+    ],
+)
+def test_completion_takes_a_list_of_prompts(prompt: object, expected: object) -> None:
+    request = parse_completion_request(_body(model="m", prompt=prompt, n=2))
+    assert request.prompts == expected
+    assert request.prompt == expected[0]
+
+
 def test_chat_messages_and_max_completion_tokens() -> None:
     req = parse_chat_request(
         _body(
@@ -148,7 +162,14 @@ def test_chat_messages_and_max_completion_tokens() -> None:
         ({"model": "m"}, "prompt"),
         ({"model": "m", "prompt": 5}, "prompt"),
         ({"model": "m", "prompt": []}, "prompt"),
-        ({"model": "m", "prompt": ["a", "b"]}, "prompt"),
+        ({"model": "m", "prompt": ["a", [1, 2]]}, "prompt"),  # mixed forms
+        ({"model": "m", "prompt": ["a", 5]}, "prompt"),
+        ({"model": "m", "prompt": [[1], []]}, "prompt"),
+        ({"model": "m", "prompt": [[1], [2, -3]]}, "prompt"),
+        ({"model": "m", "prompt": [[1], [True]]}, "prompt"),
+        ({"model": "m", "prompt": [["a"]]}, "prompt"),
+        ({"model": "m", "prompt": ["a"] * 65, "n": 2}, "prompt"),  # 130 choices
+        ({"model": "m", "prompt": ["a"] * 129}, "prompt"),
         ({"model": "m", "prompt": [1, -2]}, "prompt"),
         ({"model": "m", "prompt": [1, True]}, "prompt"),
         ({"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens"),
@@ -212,6 +233,19 @@ def test_chat_messages_and_max_completion_tokens() -> None:
         ({"model": "m", "prompt": "x", "web_search_options": {}}, "web_search_options"),  # on
         ({"model": "m", "prompt": "x", "prediction": {}}, "prediction"),
         ({"model": "m", "prompt": "x", "echo": "yes"}, "echo"),
+        ({"model": "m", "prompt": "x", "stop_token_ids": 5}, "stop_token_ids"),
+        ({"model": "m", "prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"model": "m", "prompt": "x", "stop_token_ids": [1.5]}, "stop_token_ids"),
+        ({"model": "m", "prompt": "x", "stop_token_ids": [True]}, "stop_token_ids"),
+        ({"model": "m", "prompt": "x", "stop_token_ids": list(range(257))}, "stop_token_ids"),
+        ({"model": "m", "prompt": "x", "ignore_eos": "yes"}, "ignore_eos"),
+        ({"model": "m", "prompt": "x", "skip_special_tokens": False}, "skip_special_tokens"),
+        (
+            {"model": "m", "prompt": "x", "include_stop_str_in_output": True},
+            "include_stop_str_in_output",
+        ),
+        ({"model": "m", "prompt": "x", "use_beam_search": True}, "use_beam_search"),
+        ({"model": "m", "prompt": "x", "truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),
     ],
 )
 def test_bad_completion_bodies_name_the_param(body: dict, param: str) -> None:
@@ -283,3 +317,20 @@ def test_non_finite_number_from_overflow() -> None:
     with pytest.raises(InvalidRequestError) as info:
         parse_completion_request(b'{"model": "m", "prompt": "x", "temperature": 1e999}')
     assert info.value.param == "temperature"
+
+
+def test_vllm_stop_token_ids_and_ignore_eos_are_parsed() -> None:
+    options = parse_completion_request(
+        _body(model="m", prompt="x", stop_token_ids=[9, 2, 9], ignore_eos=True)
+    ).options
+    assert (options.stop_token_ids, options.ignore_eos) == ((2, 9), True)
+    plain = parse_chat_request(
+        _body(
+            model="m",
+            messages=[{"role": "user", "content": "x"}],
+            stop_token_ids=None,
+            skip_special_tokens=True,
+            include_stop_str_in_output=False,
+        )
+    ).options
+    assert (plain.stop_token_ids, plain.ignore_eos) == ((), False)

@@ -7,11 +7,12 @@ import asyncio
 import time
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import select, text
+from sqlalchemy import func, select, text
 
 from gateway.db.models import UsageHourly, UsageRow
 from gateway.db.session import create_db_engine, create_sessionmaker
 from gateway.migrate import upgrade_to_head
+from gateway.observability.slo import SloTargets
 from gateway.usage import UsageRecord, UsageWriter
 
 T0 = datetime(2030, 5, 1, 12, 0, 0, 123456, tzinfo=UTC)
@@ -197,3 +198,19 @@ async def test_naive_time_is_dropped_not_retried_forever(db_sessionmaker) -> Non
     assert writer.num_pending == 1
     await writer.aclose()
     assert [r.request_id for r in await _rows(db_sessionmaker)] == ["req_2"]
+
+
+async def test_a_record_is_judged_by_the_slo_its_request_ran_under(db_sessionmaker) -> None:
+    # The seeded interactive tier promises a TTFT of 2 s. A record carries the SLO its
+    # tier had when the request ran: changed before the write, it still decides.
+    writer = UsageWriter(db_sessionmaker, flush_interval_s=60)
+    await writer.start()
+    writer.record(_record(1, ttft_ms=20.0, slo=SloTargets(ttft_slo_ms=10.0)))  # was tight
+    writer.record(_record(2, ttft_ms=5000.0, slo=SloTargets(ttft_slo_ms=10_000.0)))  # loose
+    writer.record(_record(3, ttft_ms=5000.0))  # no SLO on record: the tier's at the write
+    writer.record(_record(4, ttft_ms=20.0))
+    await writer.aclose()
+    assert [row.slo_met for row in await _rows(db_sessionmaker)] == [False, True, False, True]
+    async with db_sessionmaker() as session:
+        met = await session.scalar(select(func.sum(UsageHourly.slo_met)))
+    assert met == 2
