@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+import unicodedata
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -24,6 +25,20 @@ TENANT_ID = re.compile(r"ten_[0-9a-f]{24}")
 KEY_ID = re.compile(r"key_[0-9a-f]{24}")
 # Printable text: PostgreSQL rejects NUL, and control characters have no place in a name.
 _PRINTABLE = re.compile(r"[^\x00-\x1f\x7f-\x9f]+")
+# Bidirectional embeddings, overrides and isolates reorder the text after them, so a name
+# holding one shows in a listing, a log line or a terminal as other text than it is
+# ("\u202eemca" reads "acme"), and one left open reorders the rest of the line too. A
+# label needs none of them: the marks (U+200E, U+200F, U+061C) that mixed-direction
+# names may need are allowed.
+_BIDI_CONTROLS = re.compile("[\u202a-\u202e\u2066-\u2069]")
+# What shows as nothing on its own: spaces and line separators, controls, format
+# characters (zero-width space and joiners, word joiner, BOM, tags), private-use,
+# unassigned and surrogate code points, and combining marks, which need a base.
+_INVISIBLE_CATEGORIES = frozenset(
+    {"Zs", "Zl", "Zp", "Cc", "Cf", "Co", "Cn", "Cs", "Mn", "Mc", "Me"}
+)
+# Letters and symbols that are drawn blank: the Hangul fillers and the empty braille cell.
+_BLANK_GRAPHICS = frozenset("\u115f\u1160\u3164\uffa0\u2800")
 _DIGITS = re.compile(r"[0-9]{1,18}")
 
 
@@ -101,10 +116,24 @@ def _check(name: str, value: Any, field: Field) -> Any:
     pattern = field.pattern or _PRINTABLE
     if not pattern.fullmatch(value):
         raise InvalidRequestError(f"{name} has an invalid format", param=name)
-    if not value.strip():
+    if _BIDI_CONTROLS.search(value):
+        raise InvalidRequestError(
+            f"{name} may not contain bidirectional embedding, override or isolate controls "
+            "(U+202A to U+202E, U+2066 to U+2069)",
+            param=name,
+        )
+    if not _has_visible_character(value):
         # Printable, yet shows as nothing in a listing or a log line.
         raise InvalidRequestError(f"{name} may not be blank", param=name)
     return value
+
+
+def _has_visible_character(value: str) -> bool:
+    # str.strip() is not enough: it keeps format characters such as U+200B.
+    return any(
+        char not in _BLANK_GRAPHICS and unicodedata.category(char) not in _INVISIBLE_CATEGORIES
+        for char in value
+    )
 
 
 def _upper(kind: str) -> float:

@@ -248,6 +248,73 @@ async def test_bad_bodies_are_400(admin: Admin) -> None:
     assert (await admin.client.get("/admin/v1/tenants")).json()["data"] == []
 
 
+async def test_a_repeated_key_is_400_not_the_last_value(admin: Admin) -> None:
+    """json.loads keeps the last of two equal keys: the tenant created would be one that a
+    reader of the body's first "name" and "tier" does not expect."""
+    headers = {"content-type": "application/json"}
+    created = await admin.client.post(
+        "/admin/v1/tenants",
+        content=b'{"name": "dupkey-a", "tier": "batch", "name": "dupkey-b", "tier": "interactive"}',
+        headers=headers,
+    )
+    error = _assert_error(created, 400)
+    assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_json")
+    assert "'name'" in error["message"]
+    assert (await admin.client.get("/admin/v1/tenants")).json()["data"] == []
+
+    tenant = await admin.create_tenant("dupkey", "batch")
+    patched = await admin.client.patch(
+        f"/admin/v1/tenants/{tenant['id']}", content=b'{"weight": 2, "weight": 9}', headers=headers
+    )
+    assert "'weight'" in _assert_error(patched, 400)["message"]
+    read = await admin.client.get(f"/admin/v1/tenants/{tenant['id']}")
+    assert read.json()["weight"] == tenant["weight"]
+
+
+INVISIBLE_NAMES = [
+    "\u200b",  # zero-width space (Cf): str.strip() keeps it
+    "\u2060\u200d",  # word joiner, zero-width joiner
+    "\ufeff",  # zero-width no-break space (BOM)
+    " \u200b\u2028 ",  # spaces, a line separator
+    "\u3164",  # Hangul filler: a letter drawn blank
+    "\u2800",  # the empty braille cell
+    "\u0301\ufe0f",  # combining marks with no base
+    "\ue000",  # private use
+    "\U000e0061\U000e0062",  # tag characters
+]
+# Embeddings, overrides and isolates show a name as other text ("\u202eemca" reads "acme").
+BIDI_NAMES = ["\u202e", "\u202eemca", "acme\u202a", "x\u2066y\u2069", "\u2067\u05d0\u2069"]
+# Visible names that hold format characters or marks where scripts and emoji need them.
+VISIBLE_NAMES = [
+    "Zoe\u0308",  # e and a combining diaeresis
+    "\U0001f468\u200d\U0001f469\u200d\U0001f467 family",  # emoji joined by ZWJ
+    "\u05e9\u05dc\u05d5\u05dd\u200e acme",  # Hebrew, a left-to-right mark
+    "\u0645\u06cc\u200c\u0634\u0648\u062f",  # Persian with a zero-width non-joiner
+]
+
+
+async def test_names_without_a_visible_character_or_with_bidi_controls_are_400(
+    admin: Admin,
+) -> None:
+    tenant = await admin.create_tenant("visible", "batch")
+    for name in INVISIBLE_NAMES + BIDI_NAMES:
+        created = await admin.client.post("/admin/v1/tenants", json={"name": name, "tier": "batch"})
+        _assert_error(created, 400, param="name")
+        renamed = await admin.client.patch(f"/admin/v1/tenants/{tenant['id']}", json={"name": name})
+        _assert_error(renamed, 400, param="name")
+        key = await admin.client.post(f"/admin/v1/tenants/{tenant['id']}/keys", json={"name": name})
+        _assert_error(key, 400, param="name")
+    bidi = await admin.client.post("/admin/v1/tenants", json={"name": "a\u202eb", "tier": "batch"})
+    assert "bidirectional" in _assert_error(bidi, 400, param="name")["message"]
+    listed = (await admin.client.get("/admin/v1/tenants")).json()["data"]
+    assert [t["name"] for t in listed] == ["visible"]
+    assert (await admin.client.get(f"/admin/v1/tenants/{tenant['id']}/keys")).json()["data"] == []
+
+    for name in VISIBLE_NAMES:
+        assert (await admin.create_tenant(name, "batch"))["name"] == name
+        await admin.create_key(tenant["id"], name=name)
+
+
 UNKNOWN_OBJECTS = [
     ("GET PATCH DELETE", "/tiers/%00"),
     ("GET PATCH DELETE", "/tiers/NOPE"),
