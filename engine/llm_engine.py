@@ -312,14 +312,19 @@ class LLMEngine:
             if request.first_token_s is None:
                 request.first_token_s = now_s
             reason = None
-            if token in params.stop_token_ids or (not params.ignore_eos and token in eos_ids):
+            is_stop_token = token in params.stop_token_ids
+            if is_stop_token or (not params.ignore_eos and token in eos_ids):
                 reason = FinishReason.STOP
             elif (
                 request.num_output_tokens >= params.max_tokens
                 or request.num_tokens >= self.max_model_len
             ):
                 reason = FinishReason.LENGTH
-            delta = tracked.detokenizer.add([token], is_last=reason is not None)
+            # A stop token ends the text before it, as a stop string does (and vLLM's
+            # stop_token_ids): only the text held back is released.
+            delta = tracked.detokenizer.add(
+                [] if is_stop_token else [token], is_last=reason is not None
+            )
             if delta.stopped:
                 reason = FinishReason.STOP
             if reason is not None:

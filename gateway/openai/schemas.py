@@ -176,6 +176,12 @@ def _options(data: dict[str, Any], *, chat: bool) -> GenerationOptions:
                 "stream_options is only allowed when stream is true.", param="stream_options"
             )
         include_usage = _optional(stream_options, "include_usage", bool, "stream_options.") or False
+        if _optional(stream_options, "continuous_usage_stats", bool, "stream_options."):
+            raise InvalidRequestError(
+                "stream_options.continuous_usage_stats is not supported; include_usage "
+                "sends the usage once, at the end.",
+                param="stream_options.continuous_usage_stats",
+            )
     penalties = {}
     for penalty in ("presence_penalty", "frequency_penalty"):
         penalties[penalty] = _number(data, penalty, default=0.0)
@@ -183,6 +189,7 @@ def _options(data: dict[str, Any], *, chat: bool) -> GenerationOptions:
             raise InvalidRequestError(
                 f"{penalty} must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g}.", param=penalty
             )
+    _refuse_other_special_tokens(data, chat=chat)
     for unsupported in _UNSUPPORTED:
         if not _is_unset(data.get(unsupported)):
             raise InvalidRequestError(f"{unsupported} is not supported.", param=unsupported)
@@ -217,22 +224,32 @@ def _options(data: dict[str, Any], *, chat: bool) -> GenerationOptions:
 
 
 # Fields refused unless unset (null, false, empty): each asks for something this server
-# does not do, and ignoring it would answer a different question. OpenAI's, then the
-# sampling extensions of vLLM and others that a client may send in the body.
+# does not do, and ignoring it would answer a different question. OpenAI's, then vLLM's
+# extensions that a client may send in the body (guided decoding under its old names
+# and its new one, custom logits processors, chat template overrides, prompt scoring).
 _UNSUPPORTED = (
     "tools",
     "functions",
-    "min_p",
-    "repetition_penalty",
-    "min_tokens",
     "guided_json",
     "guided_regex",
     "guided_choice",
     "guided_grammar",
+    "guided_decoding_backend",
+    "guided_whitespace_pattern",
+    "structured_outputs",
+    "logits_processors",
+    "chat_template",
+    "chat_template_kwargs",
+    "continue_final_message",
+    "prompt_logprobs",
+    "return_tokens_as_token_ids",
+    "documents",
+    "mm_processor_kwargs",
 )
-# Unsupported fields and the values of theirs that ask for nothing (OpenAI's defaults);
-# none for those where even an empty object asks for something (web_search_options: {}
-# turns search on).
+# Unsupported fields and the values of theirs that ask for nothing (OpenAI's defaults,
+# vLLM's for its extensions: a client may send a whole default parameter set); none for
+# those where even an empty object asks for something (web_search_options: {} turns
+# search on).
 _DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "audio": (),
     "web_search_options": (),
@@ -242,14 +259,22 @@ _DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "tool_choice": ("none",),
     "function_call": ("none",),
     "modalities": (["text"],),
-    # vLLM's output knobs, at the behaviour this server has.
+    # vLLM's sampling knobs at their no-op values.
+    "min_p": (0, 0.0),
+    "repetition_penalty": (1, 1.0),
+    "length_penalty": (1, 1.0),
+    "min_tokens": (0,),
+    "bad_words": ([],),
+    "allowed_token_ids": (),
+    "priority": (0,),  # vLLM's request priority: here the tier decides
+    # vLLM's output switches, at the behaviour this server has.
     "skip_special_tokens": (True,),
     "include_stop_str_in_output": (False,),
     "spaces_between_special_tokens": (True,),
     "use_beam_search": (False,),
     "truncate_prompt_tokens": (),
-    "allowed_token_ids": (),
-    "bad_words": (),
+    "add_generation_prompt": (True,),
+    "detokenize": (True,),
 }
 MAX_COMPLETION_LOGPROBS = 5  # the text endpoint's cap
 MAX_TOP_LOGPROBS = 20  # chat's
@@ -314,6 +339,17 @@ def _chat_logprobs(data: dict[str, Any]) -> int | None:
                 "top_logprobs needs logprobs set to true.", param="top_logprobs"
             )
     return (n or 0) if wanted else None
+
+
+def _refuse_other_special_tokens(data: dict[str, Any], *, chat: bool) -> None:
+    """vLLM's `add_special_tokens`, at what this server does: a text prompt gets the
+    tokenizer's special tokens (BOS), a chat prompt only its template's."""
+    value = _optional(data, "add_special_tokens", bool)
+    if value is not None and value != (not chat):
+        raise InvalidRequestError(
+            f"add_special_tokens is not supported except as {not chat} on this endpoint.",
+            param="add_special_tokens",
+        )
 
 
 def _stop_token_ids(data: dict[str, Any]) -> tuple[int, ...]:

@@ -45,6 +45,9 @@ def test_stop_token_id_ends_the_output_at_its_first_occurrence(llm: LLM) -> None
     out = llm.generate([PROMPT], params)[0]
     assert out.token_ids == full[: full.index(stop_token) + 1]
     assert out.finish_reason is FinishReason.STOP
+    # Its text ends before the stop token, as vLLM's does (and as a stop string's).
+    before = SamplingParams(max_tokens=full.index(stop_token), temperature=0.0)
+    assert out.text == llm.generate([PROMPT], before)[0].text
 
 
 def test_stop_string_is_cut_from_the_text(llm: LLM) -> None:

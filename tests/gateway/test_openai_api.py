@@ -220,6 +220,8 @@ def test_ignore_eos_and_stop_token_ids(live_server: LiveServer) -> None:
         **args, logit_bias=forced_42, extra_body={"stop_token_ids": [7, 42]}
     )
     assert (stopped.choices[0].finish_reason, stopped.usage.completion_tokens) == ("stop", 1)
+    assert stopped.choices[0].text == ""  # the stop token's text is not output (as vLLM)
+    assert runs.choices[0].text  # though it has some
     other = client.completions.create(
         **args, logit_bias=forced_42, extra_body={"stop_token_ids": [43]}
     )

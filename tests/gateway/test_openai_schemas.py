@@ -246,6 +246,27 @@ def test_chat_messages_and_max_completion_tokens() -> None:
         ),
         ({"model": "m", "prompt": "x", "use_beam_search": True}, "use_beam_search"),
         ({"model": "m", "prompt": "x", "truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),
+        ({"model": "m", "prompt": "x", "min_p": 0.05}, "min_p"),
+        ({"model": "m", "prompt": "x", "min_tokens": 3}, "min_tokens"),
+        ({"model": "m", "prompt": "x", "bad_words": ["x"]}, "bad_words"),
+        ({"model": "m", "prompt": "x", "structured_outputs": {"json": {}}}, "structured_outputs"),
+        ({"model": "m", "prompt": "x", "logits_processors": ["p"]}, "logits_processors"),
+        ({"model": "m", "prompt": "x", "prompt_logprobs": 0}, "prompt_logprobs"),
+        (
+            {"model": "m", "prompt": "x", "return_tokens_as_token_ids": True},
+            "return_tokens_as_token_ids",
+        ),
+        ({"model": "m", "prompt": "x", "priority": 5}, "priority"),
+        ({"model": "m", "prompt": "x", "add_special_tokens": False}, "add_special_tokens"),
+        (
+            {
+                "model": "m",
+                "prompt": "x",
+                "stream": True,
+                "stream_options": {"continuous_usage_stats": True},
+            },
+            "stream_options.continuous_usage_stats",
+        ),
     ],
 )
 def test_bad_completion_bodies_name_the_param(body: dict, param: str) -> None:
@@ -334,3 +355,39 @@ def test_vllm_stop_token_ids_and_ignore_eos_are_parsed() -> None:
         )
     ).options
     assert (plain.stop_token_ids, plain.ignore_eos) == ((), False)
+
+
+def test_vllms_default_values_of_what_is_refused_are_accepted() -> None:
+    # A client may send vLLM's whole default parameter set: its no-op values ask nothing.
+    neutral = {
+        "min_p": 0.0,
+        "repetition_penalty": 1,
+        "length_penalty": 1.0,
+        "min_tokens": 0,
+        "bad_words": [],
+        "allowed_token_ids": None,
+        "priority": 0,
+        "skip_special_tokens": True,
+        "include_stop_str_in_output": False,
+        "truncate_prompt_tokens": None,
+        "prompt_logprobs": None,
+        "structured_outputs": None,
+        "detokenize": True,
+    }
+    parse_completion_request(_body(model="m", prompt="x", add_special_tokens=True, **neutral))
+    chat = parse_chat_request(
+        _body(
+            model="m",
+            messages=[{"role": "user", "content": "x"}],
+            add_special_tokens=False,
+            add_generation_prompt=True,
+            continue_final_message=False,
+            **neutral,
+        )
+    )
+    assert chat.options.n == 1
+    for chat_only_field in ({"add_generation_prompt": False}, {"chat_template": "{{ x }}"}):
+        with pytest.raises(InvalidRequestError):
+            parse_chat_request(
+                _body(model="m", messages=[{"role": "user", "content": "x"}], **chat_only_field)
+            )
