@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm.exc import StaleDataError
 from starlette.requests import Request
@@ -118,12 +119,20 @@ class WeightReapplier:
     """Applies each weight PATCH to the queue at once and again at WEIGHT_REAPPLY_S.
 
     A later PATCH of a tenant supersedes the re-applies of its earlier ones in this
-    process: they would set the older weight back over the newer one."""
+    process: they would set the older weight back over the newer one. A re-apply sets
+    the weight `read_weight` finds committed then (None: the tenant is gone, nothing to
+    do), so that a later PATCH made through another gateway is not undone either; without
+    `read_weight`, the PATCH's own."""
 
     def __init__(
-        self, queue: Any, *, sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
+        self,
+        queue: Any,
+        *,
+        read_weight: Callable[[str], Awaitable[float | None]] | None = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self._queue = queue
+        self._read_weight = read_weight
         self._sleep = sleep
         # The task re-applying each tenant's latest PATCH; and every task still running,
         # held so that none is garbage-collected while it sleeps.
@@ -159,6 +168,11 @@ class WeightReapplier:
             if self._latest.get(tenant_id) is not asyncio.current_task():
                 return
             try:
+                if self._read_weight is not None:
+                    committed = await self._read_weight(tenant_id)
+                    if committed is None:
+                        return  # deleted since
+                    weight = committed
                 await self._queue.set_tenant_weight(tenant_id, weight)
             except Exception as exc:  # the queue away: the tenant's next PATCH applies it
                 log.warning("re-applying tenant %s's weight failed: %r", tenant_id, exc)
@@ -166,7 +180,14 @@ class WeightReapplier:
 
 def _build_routes(deps: AdminDeps) -> list[BaseRoute]:
     sessions = deps.sessionmaker
-    reapplier = WeightReapplier(deps.queue) if deps.queue is not None else None
+
+    async def committed_weight(tenant_id: str) -> float | None:
+        async with sessions() as session:
+            return await session.scalar(select(Tenant.weight).where(Tenant.id == tenant_id))
+
+    reapplier = None
+    if deps.queue is not None:
+        reapplier = WeightReapplier(deps.queue, read_weight=committed_weight)
 
     # --- tiers ---------------------------------------------------------------------
 

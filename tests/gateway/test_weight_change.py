@@ -192,3 +192,33 @@ async def test_an_earlier_patchs_reapply_does_not_undo_a_later_patch(admin: Admi
         assert await admin.queue.tenant_weight(tenant_id) == 2.0, at_s
     await clock.advance_to(60.0)
     assert clock.num_sleepers == 0
+
+
+async def test_a_later_patch_through_another_gateway_is_not_undone(admin: Admin) -> None:
+    # Two gateways' admin routes, each with its own re-applies: the first PATCH's set the
+    # weight committed at the time they run, which is the second PATCH's.
+    clock = FakeClock()
+    committed: dict[str, float] = {}
+
+    async def read_weight(tenant_id: str) -> float | None:
+        return committed.get(tenant_id)
+
+    first = WeightReapplier(admin.queue, read_weight=read_weight, sleep=clock.sleep)
+    second = WeightReapplier(admin.queue, read_weight=read_weight, sleep=clock.sleep)
+    tenant_id = "ten_two_gateways"
+    await admin.queue.enqueue(_job(tenant_id, 1.0))
+    committed[tenant_id] = 5.0
+    await first.apply(tenant_id, 5.0)
+    await clock.advance_to(0.3)
+    committed[tenant_id] = 2.0
+    await second.apply(tenant_id, 2.0)
+    for at_s in sorted({*WEIGHT_REAPPLY_S, *(0.3 + s for s in WEIGHT_REAPPLY_S)}):
+        await clock.advance_to(at_s + 0.01)
+        assert await admin.queue.tenant_weight(tenant_id) == 2.0, at_s
+    # A tenant deleted meanwhile: its re-applies stop without writing.
+    del committed[tenant_id]
+    await first.apply(tenant_id, 7.0)
+    await admin.queue.set_tenant_weight(tenant_id, 3.0)
+    await clock.advance_to(120.0)
+    assert await admin.queue.tenant_weight(tenant_id) == 3.0
+    assert clock.num_sleepers == 0
