@@ -194,7 +194,10 @@ async def test_other_processes_changes_arrive_within_ttl(db_sessionmaker) -> Non
     # A revocation made elsewhere (straight in the database, no invalidate call here)
     # takes effect once this process's cache entry expires.
     tenant, _, secret = await _tenant_with_key(db_sessionmaker)
-    auth = KeyAuthenticator(db_sessionmaker, TierCatalog(db_sessionmaker), cache_ttl_s=0.2)
+    # Long enough that the update below lands well within it on a busy machine (at 0.2 s
+    # a stalled commit outlived the entry).
+    ttl_s = 2.0
+    auth = KeyAuthenticator(db_sessionmaker, TierCatalog(db_sessionmaker), cache_ttl_s=ttl_s)
     await auth.authenticate(f"Bearer {secret}")
     async with db_sessionmaker() as session:
         await session.execute(
@@ -202,7 +205,7 @@ async def test_other_processes_changes_arrive_within_ttl(db_sessionmaker) -> Non
         )
         await session.commit()
     await auth.authenticate(f"Bearer {secret}")  # still cached
-    await asyncio.sleep(0.25)
+    await asyncio.sleep(ttl_s + 0.05)
     with pytest.raises(PermissionDeniedError):
         await auth.authenticate(f"Bearer {secret}")
 
