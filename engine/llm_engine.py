@@ -165,7 +165,11 @@ class LLMEngine:
         )
         num_blocks = num_kv_blocks(arch, config.block_size, loaded.dtype, budget)
         self.runner = ModelRunner(
-            loaded, block_size=config.block_size, num_blocks=num_blocks, seed=config.seed
+            loaded,
+            block_size=config.block_size,
+            num_blocks=num_blocks,
+            seed=config.seed,
+            eos_token_ids=self.tokenizer.eos_token_ids,
         )
         self.max_model_len = min(max_model_len, num_blocks * config.block_size)
         try:
@@ -262,8 +266,8 @@ class LLMEngine:
         # Replay the resumed tokens as the earlier run added them (one per step), so the
         # text it still held back (a character split across tokens, a possible stop
         # string's start) is sent from here, not lost at the hand-over.
-        for token in resumed_token_ids:
-            detokenizer.add([token], is_last=False)
+        for num_output, token in enumerate(resumed_token_ids, 1):
+            detokenizer.add([token], is_last=False, check_stop=num_output >= params.min_tokens)
         self._tracked[request_id] = _Tracked(
             request, detokenizer, owes_prompt_logprobs=params.prompt_logprobs is not None
         )
@@ -312,8 +316,11 @@ class LLMEngine:
             if request.first_token_s is None:
                 request.first_token_s = now_s
             reason = None
-            is_stop_token = token in params.stop_token_ids
-            if is_stop_token or (not params.ignore_eos and token in eos_ids):
+            # Before min_tokens only the length ends a request: its stop tokens are kept
+            # from being sampled, and a stop string in its text is ordinary text.
+            can_stop = request.num_output_tokens >= params.min_tokens
+            is_stop_token = can_stop and token in params.stop_token_ids
+            if is_stop_token or (can_stop and not params.ignore_eos and token in eos_ids):
                 reason = FinishReason.STOP
             elif (
                 request.num_output_tokens >= params.max_tokens
@@ -323,7 +330,7 @@ class LLMEngine:
             # A stop token ends the text before it, as a stop string does (and vLLM's
             # stop_token_ids): only the text held back is released.
             delta = tracked.detokenizer.add(
-                [] if is_stop_token else [token], is_last=reason is not None
+                [] if is_stop_token else [token], is_last=reason is not None, check_stop=can_stop
             )
             if delta.stopped:
                 reason = FinishReason.STOP

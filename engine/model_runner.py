@@ -9,7 +9,7 @@ prefill chunks are converted with tensor ops.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Protocol
 
 import torch
@@ -17,7 +17,7 @@ import torch
 from engine.errors import ModelLoadError
 from engine.models import AttentionMetadata, LoadedModel, ModelArch
 from engine.request import Request
-from engine.sampling import OutputCounts, sample, token_logprobs
+from engine.sampling import OutputCounts, prompt_mask, sample, token_logprobs
 
 _NUM_DECODE_GROUPS = 4
 _MIN_DECODES_TO_GROUP = 8
@@ -59,10 +59,20 @@ def num_kv_blocks(arch: ModelArch, block_size: int, dtype: torch.dtype, budget_b
 
 
 class ModelRunner:
-    """Executes step plans on one device with a paged KV cache of `num_blocks` blocks."""
+    """Executes step plans on one device with a paged KV cache of `num_blocks` blocks.
+
+    `eos_token_ids` are the model's end-of-sequence ids, which a request's min_tokens
+    keeps from being sampled (unless it ignores eos) until it has made that many.
+    """
 
     def __init__(
-        self, loaded: LoadedModel, *, block_size: int, num_blocks: int, seed: int = 0
+        self,
+        loaded: LoadedModel,
+        *,
+        block_size: int,
+        num_blocks: int,
+        seed: int = 0,
+        eos_token_ids: Collection[int] = (),
     ) -> None:
         if num_blocks < 1:
             raise ModelLoadError("the KV cache budget is too small for even one block")
@@ -81,6 +91,7 @@ class ModelRunner:
             for _ in range(self.arch.num_layers)
         ]
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.eos_token_ids = frozenset(eos_token_ids)
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[Chunk]) -> list[int | None]:
@@ -105,6 +116,8 @@ class ModelRunner:
             [c.request.num_output_tokens for c in producing],
             self.generator,
             self._output_counts(producing),
+            self._prompt_masks(producing),
+            self.eos_token_ids,
         )
         num_top = [c.request.params.logprobs for c in producing]
         if any(n is not None for n in num_top):
@@ -158,6 +171,24 @@ class ModelRunner:
                 request.output_counts = OutputCounts(self.arch.vocab_size, self.device)
             counts.append(request.output_counts.update(request.output_token_ids))
         return counts
+
+    def _prompt_masks(self, producing: list[Chunk]) -> list[torch.Tensor | None] | None:
+        """Each prompt's vocabulary mask where its request has a repetition penalty (None
+        for the others), made on its first sampled token and kept on the request."""
+        if all(c.request.params.repetition_penalty == 1.0 for c in producing):
+            return None
+        masks: list[torch.Tensor | None] = []
+        for c in producing:
+            request = c.request
+            if request.params.repetition_penalty == 1.0:
+                masks.append(None)
+                continue
+            if request.prompt_mask is None:
+                request.prompt_mask = prompt_mask(
+                    request.prompt_token_ids, self.arch.vocab_size, self.device
+                )
+            masks.append(request.prompt_mask)
+        return masks
 
     def _prepare(self, decodes: list[Chunk], prefills: list[Chunk]):
         bs = self.block_size

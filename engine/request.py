@@ -17,6 +17,7 @@ from engine.errors import InvalidRequestError
 # forces or bans a token).
 MAX_PENALTY = 2.0
 MAX_LOGIT_BIAS = 100.0
+MAX_REPETITION_PENALTY = 2.0  # vLLM's bound
 MAX_TOP_LOGPROBS = 20  # OpenAI's cap on top_logprobs
 
 
@@ -55,6 +56,14 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     # (token id, bias added to its logit) pairs, sorted by id; a mapping is accepted.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM's extensions. min_p: after temperature, top-k and top-p, a token less likely
+    # than min_p x the most likely one is not sampled. repetition_penalty: every token
+    # of the prompt or the output so far has its logit divided by it where positive and
+    # multiplied by it where not (HF's and vLLM's definition; 1 is off). min_tokens:
+    # until this many tokens are out, eos, stop_token_ids and stop strings end nothing.
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
     # None: no log-probabilities; n: each sampled token's, with the n most likely.
     logprobs: int | None = None
     # None: none for the prompt; n: each prompt token's after the first (the model's
@@ -95,6 +104,24 @@ class SamplingParams:
                     f"{name} must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g}", param=name
                 )
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        if not _is_finite_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError("min_p must be in [0, 1]", param="min_p")
+        if (
+            not _is_finite_number(self.repetition_penalty)
+            or not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY
+        ):
+            raise InvalidRequestError(
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}]",
+                param="repetition_penalty",
+            )
+        if (
+            isinstance(self.min_tokens, bool)
+            or not isinstance(self.min_tokens, int)
+            or not 0 <= self.min_tokens <= self.max_tokens
+        ):
+            raise InvalidRequestError(
+                "min_tokens must be an integer from 0 to max_tokens", param="min_tokens"
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (
@@ -112,7 +139,12 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        """Whether sampling reads the request's output so far (its token counts)."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
 
 def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
@@ -201,6 +233,10 @@ class Request:
     # The runner's count of output tokens per vocabulary id (engine.sampling's
     # OutputCounts), made for a request with penalties and kept across steps.
     output_counts: Any = field(default=None, repr=False)
+    # The runner's mask of the vocabulary ids in the prompt (engine.sampling's
+    # prompt_mask), made once for a request with a repetition penalty. The prompt never
+    # changes: resumed tokens and a recompute after preemption are output tokens.
+    prompt_mask: Any = field(default=None, repr=False)
     # For a request that asks for logprobs: the runner leaves the one of the token it
     # just sampled here, and the engine appends it to output_logprobs (which then holds
     # one per output token made by this engine: a resumed request's earlier tokens have

@@ -1,5 +1,5 @@
-"""Batched token sampling: greedy, temperature, top-k, top-p, per-request seeds, logit
-bias and presence/frequency penalties.
+"""Batched token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds,
+logit bias, presence/frequency/repetition penalties and min_tokens.
 
 Sampling uses the exponential-race form of the categorical draw (argmax of p / E with
 E ~ Exp(1)), so a seeded row only needs its own noise: the noise of a request with a
@@ -9,7 +9,7 @@ independent of the batch it shares and of preemption.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -29,17 +29,24 @@ def sample(
     output_positions: Sequence[int],
     generator: torch.Generator | None = None,
     output_counts: Sequence[torch.Tensor | None] | None = None,
+    prompt_masks: Sequence[torch.Tensor | None] | None = None,
+    eos_token_ids: Collection[int] = (),
 ) -> list[int]:
     """One token id per row of `logits` `[N, vocab]` (float32).
 
     output_positions[i] is how many tokens row i's request has generated so far; it keys
-    the noise of seeded requests. `generator` draws the noise of unseeded ones.
-    output_counts[i] counts those tokens per vocabulary id (`OutputCounts`); it is read
-    only for a row with penalties.
+    the noise of seeded requests and tells whether min_tokens still bans its stop
+    tokens (`eos_token_ids`, unless it ignores eos, and its stop_token_ids). `generator`
+    draws the noise of unseeded ones. output_counts[i] counts those tokens per
+    vocabulary id (`OutputCounts`); it is read only for a row with penalties.
+    prompt_masks[i] marks the ids in row i's prompt (`prompt_mask`); it is read only for
+    a row with a repetition penalty.
     """
     if logits.shape[0] == 0:
         return []
-    logits = _adjust_logits(logits, params, output_counts)
+    logits = _adjust_logits(
+        logits, params, output_positions, output_counts, prompt_masks, eos_token_ids
+    )
     is_greedy = [_is_greedy(p) for p in params]
     if all(is_greedy):
         return logits.argmax(dim=-1).tolist()
@@ -53,6 +60,8 @@ def sample(
     if any(p.top_k > 0 for p in params) or any(p.top_p < 1.0 for p in params):
         logits = _apply_top_k_top_p(logits, params)
     probs = logits.softmax(dim=-1)
+    if any(p.min_p > 0.0 for p in params):
+        probs = _apply_min_p(probs, params)
     noise = _exponential_noise(probs, params, output_positions, generator)
     sampled = (probs / noise).argmax(dim=-1)
     greedy_rows = [i for i, greedy in enumerate(is_greedy) if greedy]
@@ -65,14 +74,25 @@ def sample(
 def _adjust_logits(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
+    output_positions: Sequence[int],
     output_counts: Sequence[torch.Tensor | None] | None,
+    prompt_masks: Sequence[torch.Tensor | None] | None,
+    eos_token_ids: Collection[int],
 ) -> torch.Tensor:
-    """Logit bias and penalties, before temperature (they steer greedy rows too). Both
-    are additive, so their order does not matter. Returns `logits` itself when no row
-    asks for either."""
-    biased = [i for i, p in enumerate(params) if p.logit_bias]
-    penalized = [i for i, p in enumerate(params) if p.has_penalties]
-    if not biased and not penalized:
+    """Logit bias, penalties and min_tokens' bans, before temperature (they steer greedy
+    rows too), in vLLM's order: bias, repetition penalty (it scales, so it comes after
+    the bias), then the additive presence and frequency penalties, then the bans (-inf
+    whatever came before). Returns `logits` itself when no row asks for any."""
+    # One pass over the rows: this runs every step for every batch, adjusted or not.
+    biased, penalized, banned = [], [], []
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            biased.append(i)
+        if p.has_penalties:
+            penalized.append(i)
+        if p.min_tokens > output_positions[i] and (p.stop_token_ids or not p.ignore_eos):
+            banned.append(i)
+    if not biased and not penalized and not banned:
         return logits
     logits = logits.clone()
     device = logits.device
@@ -89,6 +109,9 @@ def _adjust_logits(
         if output_counts is None or any(output_counts[i] is None for i in penalized):
             raise ValueError("penalties need each row's output token counts")
         counts = torch.stack([output_counts[i] for i in penalized]).to(logits.dtype)
+        repeated = [n for n, i in enumerate(penalized) if params[i].repetition_penalty != 1.0]
+        if repeated:
+            _apply_repetition_penalty(logits, params, penalized, repeated, counts, prompt_masks)
         frequency = torch.tensor(
             [params[i].frequency_penalty for i in penalized], dtype=logits.dtype, device=device
         )
@@ -97,7 +120,51 @@ def _adjust_logits(
         )
         rows = torch.tensor(penalized, device=device)
         logits[rows] -= counts * frequency[:, None] + (counts > 0) * presence[:, None]
+    if banned:
+        vocab_size = logits.shape[-1]
+        rows, cols = [], []  # of the -inf entries
+        for i in banned:
+            p = params[i]
+            stop_ids = (
+                set(p.stop_token_ids) if p.ignore_eos else {*p.stop_token_ids, *eos_token_ids}
+            )
+            # An id past the model's vocabulary is never sampled: nothing to ban.
+            ids = [token for token in stop_ids if token < vocab_size]
+            rows += [i] * len(ids)
+            cols += ids
+        if rows:
+            index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+            logits[index] = float("-inf")
     return logits
+
+
+def _apply_repetition_penalty(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    penalized: list[int],
+    repeated: list[int],
+    counts: torch.Tensor,
+    prompt_masks: Sequence[torch.Tensor | None] | None,
+) -> None:
+    """Scale, in place, the logits of the tokens in the prompt or the output of the rows
+    `penalized[n]` for n in `repeated` (`counts` are the penalized rows' output counts).
+    Presence is a set: a token in both, or many times, is scaled once."""
+    rows = [penalized[n] for n in repeated]
+    if prompt_masks is None or any(prompt_masks[i] is None for i in rows):
+        raise ValueError("a repetition penalty needs each row's prompt mask")
+    device = logits.device
+    seen = torch.stack([prompt_masks[i] for i in rows])
+    if len(repeated) < len(penalized):
+        seen |= counts[torch.tensor(repeated, device=device)] > 0
+    else:
+        seen |= counts > 0
+    penalty = torch.tensor(
+        [params[i].repetition_penalty for i in rows], dtype=logits.dtype, device=device
+    )[:, None]
+    index = torch.tensor(rows, device=device)
+    row_logits = logits[index]
+    scaled = torch.where(row_logits > 0, row_logits / penalty, row_logits * penalty)
+    logits[index] = torch.where(seen, scaled, row_logits)
 
 
 def token_logprobs(
@@ -146,6 +213,15 @@ class OutputCounts:
         return self.counts
 
 
+def prompt_mask(
+    prompt_token_ids: Sequence[int], vocab_size: int, device: torch.device | str
+) -> torch.Tensor:
+    """A `[vocab]` bool mask of the ids in the prompt, for a repetition penalty."""
+    mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+    mask[torch.tensor(prompt_token_ids, dtype=torch.long, device=device)] = True
+    return mask
+
+
 def _is_greedy(p: SamplingParams) -> bool:
     return p.is_greedy or p.temperature < _MIN_TEMPERATURE
 
@@ -169,6 +245,14 @@ def _apply_top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -
     is_cut = (mass_before >= top_p[:, None]) & (ranks > 0)
     sorted_logits = sorted_logits.masked_fill(is_cut, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def _apply_min_p(probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """`probs` with the tokens less likely than min_p x the row's most likely one set to
+    0 (vLLM's min-p). The draw needs no renormalising: argmax(p / E) ignores scale."""
+    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=probs.device)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
+    return probs.masked_fill(probs < threshold, 0.0)
 
 
 def _exponential_noise(

@@ -258,8 +258,13 @@ class IncrementalDetokenizer:
         # its own text, not of the whole output.
         self._unsent = ""
 
-    def add(self, token_ids: Sequence[int], *, is_last: bool) -> TextDelta:
-        """Add newly generated ids; `is_last` flushes everything held back."""
+    def add(self, token_ids: Sequence[int], *, is_last: bool, check_stop: bool = True) -> TextDelta:
+        """Add newly generated ids; `is_last` flushes everything held back.
+
+        With `check_stop` False (a request short of its min_tokens) a stop string this
+        text completes is ordinary text; one that begins in it and is completed by a
+        later, checked add still stops. The text is held back alike either way.
+        """
         self._ids.extend(token_ids)
         decode = self._tokenizer.decode
         prefix_text = decode(self._ids[self._prefix_offset : self._read_offset])
@@ -273,9 +278,9 @@ class IncrementalDetokenizer:
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._ids)
             # A stop string may begin in the text held back (all of it is unsent).
-            search_from = max(0, len(self._unsent) - self._hold_chars)
+            num_old_chars = len(self._unsent)
             self._unsent += new_text
-            if self._stop and self._cut_at_stop(search_from):
+            if self._stop and check_stop and self._cut_at_stop(num_old_chars):
                 return TextDelta(self._flush(), True)
         if is_last:
             return TextDelta(self._flush(), False)
@@ -285,8 +290,11 @@ class IncrementalDetokenizer:
         delta, self._unsent = self._unsent[:sendable], self._unsent[sendable:]
         return TextDelta(delta, False)
 
-    def _cut_at_stop(self, search_from: int) -> bool:
-        positions = [self._unsent.find(s, search_from) for s in self._stop]
+    def _cut_at_stop(self, num_old_chars: int) -> bool:
+        """Cut the unsent text at the first stop string that ends in its new text (after
+        `num_old_chars`): one that ended before was either found then or, before
+        min_tokens, is ordinary text."""
+        positions = [self._unsent.find(s, max(0, num_old_chars - len(s) + 1)) for s in self._stop]
         found = [p for p in positions if p >= 0]
         if not found:
             return False

@@ -16,7 +16,7 @@ from engine.request import SamplingParams
 # their default, so a worker of that release (a rolling upgrade runs both), whose
 # SamplingParams refuses a field it does not know, reads every job that does not use
 # them. Every other field is always written: that release reads some without a default.
-NEWER_PARAMS = frozenset({"prompt_logprobs"})
+NEWER_PARAMS = frozenset({"prompt_logprobs", "min_p", "repetition_penalty", "min_tokens"})
 
 
 @dataclass(frozen=True)

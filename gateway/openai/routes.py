@@ -475,6 +475,12 @@ class OpenAIRoutes:
                 if change_max_tokens
                 else ("messages" if chat else "prompt"),
             )
+        if options.min_tokens > max_tokens:  # a client's max_tokens was checked already
+            raise InvalidRequestError(
+                f"min_tokens ({options.min_tokens}) must not exceed max_tokens, which "
+                f"defaulted to {max_tokens}; set max_tokens.",
+                param="min_tokens",
+            )
         vocab_size = self.deps.model.tokenizer.vocab_size
         for param, tokens in (
             ("logit_bias", [token for token, _ in options.logit_bias]),
@@ -498,6 +504,9 @@ class OpenAIRoutes:
             top_k=options.top_k,
             stop_token_ids=options.stop_token_ids,
             ignore_eos=options.ignore_eos,
+            min_p=options.min_p,
+            repetition_penalty=options.repetition_penalty,
+            min_tokens=options.min_tokens,
             logprobs=options.logprobs,
             # echo with logprobs reports the prompt tokens' too.
             prompt_logprobs=options.logprobs if options.echo else None,

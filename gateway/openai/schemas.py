@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from engine.request import MAX_REPETITION_PENALTY
 from gateway import json_body
 from gateway.errors import InvalidRequestError
 
@@ -52,6 +53,12 @@ class GenerationOptions:
     # generating through end-of-sequence to max_tokens (how load generators fix lengths).
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
+    # vLLM's samplers: a probability floor relative to the likeliest token, a penalty on
+    # tokens of the prompt and the output (divides a positive logit, multiplies a
+    # negative one), and a length before which nothing ends the output but max_tokens.
+    min_p: float
+    repetition_penalty: float
+    min_tokens: int
     # None: no log-probabilities; n: each token's with the n most likely (chat's
     # top_logprobs, or the text endpoint's logprobs).
     logprobs: int | None
@@ -213,6 +220,7 @@ def _options(data: dict[str, Any], *, chat: bool) -> GenerationOptions:
         top_k=_top_k(data),
         stop_token_ids=_stop_token_ids(data),
         ignore_eos=_optional(data, "ignore_eos", bool) or False,
+        **_vllm_samplers(data, max_tokens),
         logprobs=_chat_logprobs(data) if chat else _completion_logprobs(data),
         n=n,
         echo=_echo(data, chat=chat, n=n),
@@ -260,10 +268,7 @@ _DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "function_call": ("none",),
     "modalities": (["text"],),
     # vLLM's sampling knobs at their no-op values.
-    "min_p": (0, 0.0),
-    "repetition_penalty": (1, 1.0),
     "length_penalty": (1, 1.0),
-    "min_tokens": (0,),
     "bad_words": ([],),
     "allowed_token_ids": (),
     "priority": (0,),  # vLLM's request priority: here the tier decides
@@ -350,6 +355,29 @@ def _refuse_other_special_tokens(data: dict[str, Any], *, chat: bool) -> None:
             f"add_special_tokens is not supported except as {not chat} on this endpoint.",
             param="add_special_tokens",
         )
+
+
+def _vllm_samplers(data: dict[str, Any], max_tokens: int | None) -> dict[str, Any]:
+    """min_p, repetition_penalty and min_tokens, at vLLM's ranges (a max_tokens left to
+    the endpoint's default is checked against min_tokens by the routes)."""
+    min_p = _number(data, "min_p", default=0.0)
+    if not 0.0 <= min_p <= 1.0:
+        raise InvalidRequestError("min_p must be between 0 and 1.", param="min_p")
+    penalty = _number(data, "repetition_penalty", default=1.0)
+    if not 0.0 < penalty <= MAX_REPETITION_PENALTY:
+        raise InvalidRequestError(
+            f"repetition_penalty must be greater than 0 and at most {MAX_REPETITION_PENALTY:g}.",
+            param="repetition_penalty",
+        )
+    min_tokens = _optional(data, "min_tokens", int) or 0
+    if min_tokens < 0:
+        raise InvalidRequestError("min_tokens must be at least 0.", param="min_tokens")
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise InvalidRequestError(
+            f"min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens}).",
+            param="min_tokens",
+        )
+    return {"min_p": min_p, "repetition_penalty": penalty, "min_tokens": min_tokens}
 
 
 def _stop_token_ids(data: dict[str, Any]) -> tuple[int, ...]:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -253,3 +255,195 @@ def test_decode_rate_is_measured_when_every_step_mixes_in_prefill() -> None:
     later = rates[10:]
     assert len(later) >= 20
     assert len(set(later)) > len(later) // 2
+
+
+# ---------------------------------------------------------------- min_tokens
+
+EOS = 3  # the built-in tokenizer's <|im_end|>
+LETTER_A = 36  # a token whose text is "A", also in sequence ("AAAA")
+
+
+def test_min_tokens_keeps_a_forced_eos_out_until_enough_tokens(llm: LLM) -> None:
+    assert llm.tokenizer.eos_token_ids == {EOS}
+    forced = SamplingParams(max_tokens=24, temperature=0.0, logit_bias={EOS: 100.0})
+    assert llm.generate([PROMPT], forced)[0].token_ids == [EOS]
+    for params in (replace(forced, min_tokens=5), replace(forced, temperature=1.5, min_tokens=5)):
+        out = llm.generate([PROMPT], params)[0]
+        assert len(out.token_ids) == 6
+        assert EOS not in out.token_ids[:5]
+        assert out.token_ids[5] == EOS
+        assert out.finish_reason is FinishReason.STOP
+    # min_tokens = max_tokens: eos never gets a turn.
+    out = llm.generate([PROMPT], replace(forced, max_tokens=7, min_tokens=7))[0]
+    assert (len(out.token_ids), EOS in out.token_ids) == (7, False)
+    assert out.finish_reason is FinishReason.LENGTH
+    # With ignore_eos, eos ends nothing and min_tokens does not ban it.
+    ignoring = replace(forced, max_tokens=8, min_tokens=5, ignore_eos=True)
+    assert llm.generate([PROMPT], ignoring)[0].token_ids == [EOS] * 8
+
+
+def test_min_tokens_keeps_a_stop_token_out_until_enough_tokens(llm: LLM) -> None:
+    stop_token = llm.generate([PROMPT], GREEDY)[0].token_ids[3]
+    forced = SamplingParams(
+        max_tokens=24,
+        temperature=0.0,
+        logit_bias={stop_token: 100.0},
+        stop_token_ids=(stop_token,),
+    )
+    assert llm.generate([PROMPT], forced)[0].token_ids == [stop_token]
+    out = llm.generate([PROMPT], replace(forced, min_tokens=4))[0]
+    assert len(out.token_ids) == 5
+    assert stop_token not in out.token_ids[:4]
+    assert out.token_ids[4] == stop_token
+    assert out.finish_reason is FinishReason.STOP
+    # The text ends before the stop token, as without min_tokens.
+    four = llm.generate([PROMPT], replace(forced, max_tokens=4, min_tokens=4))[0]
+    assert four.token_ids == out.token_ids[:4]
+    assert out.text == four.text
+
+
+def test_min_tokens_makes_earlier_stop_strings_ordinary_text(llm: LLM) -> None:
+    forced = SamplingParams(max_tokens=10, temperature=0.0, logit_bias={LETTER_A: 100.0})
+    assert llm.generate([PROMPT], forced)[0].text == "A" * 10
+    for stop, min_tokens, text in [
+        ("A", 0, ""),  # completed by the first token
+        ("A", 5, "AAAA"),  # by the fifth, the min_tokens-th: it stops
+        ("AA", 5, "AAA"),  # begun before the fifth token, completed by it
+        ("AAAA", 1, ""),
+    ]:
+        params = replace(forced, stop=(stop,), min_tokens=min_tokens)
+        outputs = _run_streaming(llm.engine, "a", PROMPT, params)
+        assert outputs[-1].finish_reason is FinishReason.STOP
+        assert len(outputs) == max(min_tokens, len(stop))
+        assert "".join(o.text_delta for o in outputs) == outputs[-1].text == text
+
+
+def _stop_string_around(text: str, num_chars_before: int) -> str:
+    """A short piece of `text` found both in its first `num_chars_before` characters and
+    ending after them."""
+    for length in (1, 2, 3):
+        for start in range(num_chars_before - length + 1):
+            piece = text[start : start + length]
+            later = text.find(piece, num_chars_before - length + 1)
+            if "\ufffd" not in piece and later >= 0 and text.find(piece) < later:
+                return piece
+    raise AssertionError("no piece repeats across min_tokens; pick another prompt")
+
+
+def test_a_stop_string_in_the_models_text_counts_from_min_tokens_on(llm: LLM) -> None:
+    plain = _run_streaming(llm.engine, "plain", PROMPT, GREEDY)
+    full = plain[-1].text
+    min_tokens = 8
+    # The text the tokens before the min_tokens-th released (a stop string must end
+    # after it), and a stop string that occurs in it and again later.
+    before = len("".join(o.text_delta for o in plain[: min_tokens - 1]))
+    stop = _stop_string_around(full, before)
+    cut = full.find(stop, before - len(stop) + 1)
+    assert full.find(stop) < cut
+    # The token whose text completes the first stop string that counts.
+    released = itertools.accumulate(len(o.text_delta) for o in plain)
+    num_tokens = next(n for n, chars in enumerate(released, 1) if chars >= cut + len(stop))
+    params = replace(GREEDY, stop=(stop,), min_tokens=min_tokens)
+    outputs = _run_streaming(llm.engine, "min", PROMPT, params)
+    assert outputs[-1].finish_reason is FinishReason.STOP
+    assert outputs[-1].token_ids == plain[-1].token_ids[:num_tokens]
+    assert "".join(o.text_delta for o in outputs) == outputs[-1].text == full[:cut]
+    # Without min_tokens the first occurrence stops it.
+    early = llm.generate([PROMPT], replace(params, min_tokens=0))[0]
+    assert early.text == full[: full.find(stop)]
+
+
+@pytest.mark.parametrize("value", [-1, 25, True, 2.0])
+def test_bad_min_tokens_are_refused(value) -> None:
+    with pytest.raises(InvalidRequestError) as refused:
+        SamplingParams(max_tokens=24, min_tokens=value)
+    assert refused.value.param == "min_tokens"
+
+
+# ---------------------------------------------------------------- interruptions
+
+
+def _vllm_samplers() -> list[SamplingParams]:
+    """Seeded requests with min_p, a repetition penalty and min_tokens, each with eos
+    forced where the min_tokens ban ends, and one greedy."""
+    sampled = SamplingParams(
+        max_tokens=40,
+        temperature=1.3,
+        seed=21,
+        min_p=0.1,
+        repetition_penalty=1.6,
+        presence_penalty=0.3,
+        min_tokens=30,
+        logit_bias={EOS: 6.0},
+    )
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, repetition_penalty=1.8, min_tokens=12)
+    return [sampled, replace(sampled, seed=22, min_p=0.0), greedy]
+
+
+@pytest.mark.parametrize("which", [0, 1, 2])
+def test_a_resumed_request_with_vllms_samplers_continues_as_uninterrupted(
+    llm: LLM, which: int
+) -> None:
+    # A resumed request's earlier tokens are output tokens (engine.add_request): they
+    # are penalised as present, once, and count toward min_tokens, as in one run.
+    params = _vllm_samplers()[which]
+    original = _run_streaming(llm.engine, "original", PROMPT, params)
+    full = original[-1].token_ids
+    assert len(full) > 12
+    for k in (3, 11, len(full) - 1):
+        sent = "".join(o.text_delta for o in original[:k])
+        llm.engine.add_request(f"resumed-{k}", PROMPT, params, resumed_token_ids=full[:k])
+        outputs = []
+        while llm.engine.has_unfinished():
+            outputs += llm.engine.step()
+        assert outputs[-1].token_ids == full
+        assert outputs[-1].finish_reason is original[-1].finish_reason
+        assert sent + "".join(o.text_delta for o in outputs) == original[-1].text
+
+
+def test_a_resume_before_min_tokens_keeps_earlier_stop_strings_as_text(llm: LLM) -> None:
+    # "AA" is completed by the second token on, held back ("A") until the sixth: a
+    # resumed run that replayed its tokens with the stop check on cut the held text.
+    params = SamplingParams(
+        max_tokens=10, temperature=0.0, logit_bias={LETTER_A: 100.0}, stop=("AA",), min_tokens=6
+    )
+    original = _run_streaming(llm.engine, "original", PROMPT, params)
+    assert original[-1].text == "AAAA"
+    full = original[-1].token_ids
+    for k in range(1, 6):
+        sent = "".join(o.text_delta for o in original[:k])
+        llm.engine.add_request(f"resumed-{k}", PROMPT, params, resumed_token_ids=full[:k])
+        outputs = []
+        while llm.engine.has_unfinished():
+            outputs += llm.engine.step()
+        assert outputs[-1].token_ids == full
+        assert sent + "".join(o.text_delta for o in outputs) == "AAAA"
+
+
+def test_preempted_requests_with_vllms_samplers_match_an_uninterrupted_run() -> None:
+    def run(**overrides) -> tuple[list[list[int]], int]:
+        engine = LLMEngine(
+            EngineConfig(
+                model="tiny-random",
+                device="cpu",
+                max_model_len=256,
+                max_num_batched_tokens=64,
+                max_prefill_chunk_tokens=7,
+                enable_prefix_caching=False,
+                **overrides,
+            )
+        )
+        prompts = {f"r{i}": [(7 * i + 5 * j) % 500 + 5 for j in range(36)] for i in range(6)}
+        samplers = _vllm_samplers()
+        for n, (request_id, prompt) in enumerate(prompts.items()):
+            engine.add_request(request_id, prompt, replace(samplers[n % 3], seed=n))
+        outputs: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            outputs |= {o.request_id: o.token_ids for o in engine.step() if o.finished}
+        return [outputs[request_id] for request_id in prompts], engine.stats().num_preemptions
+
+    alone, num_preemptions = run(max_num_seqs=1)
+    assert num_preemptions == 0
+    squeezed, num_preemptions = run(max_num_seqs=8, kv_cache_bytes=320 * 1024)  # 160 tokens
+    assert num_preemptions > 0, "make the cache smaller"
+    assert squeezed == alone

@@ -133,6 +133,33 @@ def test_preemption_under_a_tiny_kv_budget_matches_transformers(checkpoint: _Che
     assert llm.engine.stats().num_free_blocks == 30
 
 
+@pytest.mark.parametrize("penalty", [1.5, 0.7])
+def test_repetition_penalty_matches_transformers(checkpoint: _Checkpoint, penalty: float) -> None:
+    # transformers' RepetitionPenaltyLogitsProcessor scales every id of the prompt and
+    # the output so far, as vLLM's does. Each prompt runs alone there: left padding
+    # would put the pad id among the penalised ones.
+    rng = random.Random(6)
+    # Prompts that repeat ids, so that presence is a set and not a count.
+    prompts = [[rng.randrange(4, 40) for _ in range(n)] for n in (3, 9, 24, 40)]
+    params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, repetition_penalty=penalty)
+    outputs = LLM(str(checkpoint.path), device="cpu").generate(prompts, params)
+    expected = []
+    for prompt in prompts:
+        with torch.inference_mode():
+            generated = checkpoint.hf.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=NUM_NEW_TOKENS,
+                do_sample=False,
+                repetition_penalty=penalty,
+                pad_token_id=1,
+            )
+        expected.append(generated[0, len(prompt) :].tolist())
+    assert [o.token_ids for o in outputs] == expected
+    # The penalty changed what greedy decoding picks.
+    assert expected != checkpoint.expected(prompts)
+
+
 @pytest.mark.parametrize("architecture", ["MistralForCausalLM", "Qwen3ForCausalLM"])
 def test_other_architectures_match_transformers(architecture: str, tmp_path: Path) -> None:
     write_random_checkpoint(tmp_path, architecture=architecture, num_layers=2, seed=4)

@@ -1,14 +1,16 @@
-"""Sampling: greedy, temperature, top-k/top-p support, per-request seeds."""
+"""Sampling: greedy, temperature, top-k/top-p/min-p support, per-request seeds, bias,
+penalties and min_tokens."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.sampling import OutputCounts, sample, token_logprobs
+from engine.sampling import OutputCounts, prompt_mask, sample, token_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -250,3 +252,171 @@ def test_each_tokens_text_chars_add_up_to_the_text(llm: LLM, stop: tuple[str, ..
     out = llm.generate(["Hello world"], params)[0]
     assert len(out.logprobs) == len(out.token_ids)
     assert sum(lp.num_text_chars for lp in out.logprobs) == len(out.text)
+
+
+# ---------------------------------------------------------------- min_p
+
+
+def test_min_p_cuts_tokens_below_a_share_of_the_top_one_after_temperature() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().repeat(400, 1)
+    # At temperature 1: 0.3 >= 0.5 x 0.5 stays, 0.15 does not.
+    cut = [SamplingParams(min_p=0.5)] * 400
+    assert set(sample(logits, cut, [0] * 400, torch.Generator().manual_seed(0))) == {0, 1}
+    # At temperature 2 the shares are the square roots (1, 0.77, 0.55, 0.32): after
+    # temperature, token 2 clears the same min_p.
+    hot = [SamplingParams(min_p=0.5, temperature=2.0)] * 400
+    assert set(sample(logits, hot, [0] * 400, torch.Generator().manual_seed(0))) == {0, 1, 2}
+    # With top-k the shares are of what top-k keeps (renormalised alike): the same cut.
+    both = [SamplingParams(min_p=0.5, top_k=3)] * 400
+    assert set(sample(logits, both, [0] * 400, torch.Generator().manual_seed(0))) == {0, 1}
+    uncut = [SamplingParams()] * 400
+    assert set(sample(logits, uncut, [0] * 400, torch.Generator().manual_seed(0))) == {0, 1, 2, 3}
+
+
+def test_min_p_applies_per_row_and_leaves_greedy_rows_alone() -> None:
+    probs = torch.tensor([0.05, 0.5, 0.3, 0.15])
+    logits = probs.log().repeat(600, 1)
+    params = [SamplingParams(min_p=0.9), SamplingParams(), SamplingParams(min_p=0.9, top_k=1)]
+    tokens = sample(logits, params * 200, [0] * 600, torch.Generator().manual_seed(4))
+    assert set(tokens[0::3]) == {1}
+    assert set(tokens[1::3]) == {0, 1, 2, 3}  # a row without min_p in the same batch
+    assert set(tokens[2::3]) == {1}
+
+
+def _share_of_top(logprob, temperature: float) -> float:
+    """The sampled token's probability over the most likely token's, after temperature
+    (logprobs are the model's own, so the ratio is exp of their gap / temperature)."""
+    return math.exp((logprob.logprob - logprob.top[0][1]) / temperature)
+
+
+def test_min_p_through_the_engine_samples_only_near_the_top(llm: LLM) -> None:
+    hot = SamplingParams(max_tokens=60, temperature=1.5, seed=5, logprobs=1)
+    shares = [_share_of_top(lp, 1.5) for lp in llm.generate(["hello"], hot)[0].logprobs]
+    assert min(shares) < 0.1  # without min_p this run does sample far from the top
+    cut = llm.generate(["hello"], replace(hot, min_p=0.3))[0]
+    assert len(cut.logprobs) == 60
+    assert all(_share_of_top(lp, 1.5) >= 0.3 * (1 - 1e-4) for lp in cut.logprobs)
+
+
+def test_min_p_of_one_is_greedy(llm: LLM) -> None:
+    greedy = llm.generate(["hello"], SamplingParams(max_tokens=24, temperature=0.0))[0]
+    hot = SamplingParams(max_tokens=24, temperature=2.0, seed=11)
+    assert llm.generate(["hello"], hot)[0].token_ids != greedy.token_ids
+    assert llm.generate(["hello"], replace(hot, min_p=1.0))[0].token_ids == greedy.token_ids
+
+
+# ---------------------------------------------------------------- repetition_penalty
+
+
+def test_repetition_penalty_matches_the_hand_computed_logits() -> None:
+    logits = torch.tensor([[3.0, 1.0, 0.0, -1.0, -3.0, 2.0, 0.5, -0.5]])
+    prompt, output = [0, 3, 3], [1, 4, 1, 0]
+    history = {
+        "output_counts": _counts([output], 8),
+        "prompt_masks": [prompt_mask(prompt, 8, "cpu")],
+    }
+    # Seen (prompt or output): 0, 1, 3, 4, each scaled once however often it appears.
+    by_hand = {
+        2.0: [1.5, 0.5, 0.0, -2.0, -6.0, 2.0, 0.5, -0.5],
+        0.5: [6.0, 2.0, 0.0, -0.5, -1.5, 2.0, 0.5, -0.5],  # below 1 it rewards them
+    }
+    for penalty, expected in by_hand.items():
+        greedy = SamplingParams(temperature=0.0, repetition_penalty=penalty)
+        assert sample(logits, [greedy], [4], **history) == [max(range(8), key=expected.__getitem__)]
+        # Seeded draws share their noise: over many positions they pick the same tokens
+        # from the penalised logits as from the hand-computed ones only if the two
+        # distributions agree.
+        seeded = SamplingParams(seed=3, repetition_penalty=penalty)
+        positions = list(range(200))
+        got = [sample(logits, [seeded], [n], **history)[0] for n in positions]
+        plain = SamplingParams(seed=3)
+        want = [sample(torch.tensor([expected]), [plain], [n])[0] for n in positions]
+        assert got == want
+        assert len(set(got)) > 3
+    assert logits.tolist() == [[3.0, 1.0, 0.0, -1.0, -3.0, 2.0, 0.5, -0.5]]  # untouched
+
+
+def test_repetition_penalty_comes_after_the_bias_and_before_the_other_penalties() -> None:
+    # vLLM's order: bias, then the repetition penalty scales, then frequency and
+    # presence subtract. Token 0: (2 + 2) / 2 - 3 x 0.5 - 0.25 = 0.25; token 1 (prompt
+    # only): -1 x 2 = -2; token 2 (unseen, biased): 0.5 + 0.5 = 1.0; token 3: 0.75.
+    logits = torch.tensor([[2.0, -1.0, 0.5, 0.75]])
+    params = SamplingParams(
+        seed=9,
+        repetition_penalty=2.0,
+        frequency_penalty=0.5,
+        presence_penalty=0.25,
+        logit_bias={0: 2.0, 2: 0.5},
+    )
+    history = {
+        "output_counts": _counts([[0, 0, 0]], 4),
+        "prompt_masks": [prompt_mask([1], 4, "cpu")],
+    }
+    got = [sample(logits, [params], [n], **history)[0] for n in range(200)]
+    by_hand = torch.tensor([[0.25, -2.0, 1.0, 0.75]])
+    assert got == [sample(by_hand, [SamplingParams(seed=9)], [n])[0] for n in range(200)]
+    greedy = replace(params, temperature=0.0)
+    assert sample(logits, [greedy], [3], **history) == [2]
+
+
+def test_repetition_penalty_applies_per_row() -> None:
+    logits = torch.tensor([[3.0, 2.0, 1.0]] * 4)
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=2.0),  # 0 in the prompt: 1.5
+        SamplingParams(temperature=0.0, presence_penalty=0.5),  # no repetition penalty
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, repetition_penalty=2.0),  # 0 in the output: 1.5
+    ]
+    counts = [*_counts([[], [0]], 3), None, *_counts([[0, 0]], 3)]
+    masks = [prompt_mask([0], 3, "cpu"), None, None, prompt_mask([2], 3, "cpu")]
+    tokens = sample(logits, params, [0, 1, 0, 2], output_counts=counts, prompt_masks=masks)
+    assert tokens == [1, 0, 0, 1]
+
+
+def _num_repeats(prompt: list[int], output: list[int]) -> int:
+    """How many output tokens were already in the prompt or earlier in the output."""
+    seen, num = set(prompt), 0
+    for token in output:
+        num += token in seen
+        seen.add(token)
+    return num
+
+
+def test_a_strong_repetition_penalty_keeps_greedy_from_repeating(llm: LLM) -> None:
+    prompt = [*range(100, 160), *[7] * 20]
+    greedy = SamplingParams(max_tokens=60, temperature=0.0)
+    plain = llm.generate([prompt], greedy)[0].token_ids
+    assert len(set(prompt) & set(plain)) >= 3  # prompt tokens come back unpenalised...
+    assert _num_repeats(prompt, plain) >= 10  # ...and output tokens too
+    penalised = llm.generate([prompt], replace(greedy, repetition_penalty=2.0))[0].token_ids
+    assert len(penalised) == 60
+    assert _num_repeats(prompt, penalised) == 0
+    # It also steers a sampled run, and stays seeded: the same seed, the same tokens.
+    hot = replace(greedy, temperature=1.0, seed=2, repetition_penalty=2.0)
+    first = llm.generate([prompt], hot)[0].token_ids
+    assert llm.generate([[5, 6], prompt], hot)[1].token_ids == first
+    assert _num_repeats(prompt, first) < _num_repeats(prompt, plain)
+
+
+def test_prompt_masks_mark_the_prompts_ids() -> None:
+    assert prompt_mask([3, 1, 3], 5, "cpu").tolist() == [False, True, False, True, False]
+
+
+# ---------------------------------------------------------------- min_tokens
+
+
+def test_min_tokens_bans_stop_tokens_until_enough_are_out() -> None:
+    logits = torch.tensor([[0.0, 5.0, 4.0, 3.0, 2.0]] * 4)
+    eos = {1}
+    short = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=(2,))
+    params = [short, short, replace(short, ignore_eos=True), SamplingParams(temperature=0.0)]
+    # Row 0 has 2 tokens out: eos (1) and its stop token (2) are banned; row 1 has 3:
+    # nothing is. ignore_eos leaves eos alone; a row without min_tokens is untouched.
+    tokens = sample(logits, params, [2, 3, 0, 0], eos_token_ids=eos)
+    assert tokens == [3, 1, 1, 1]
+    # Banned outright (-inf), whatever the bias or temperature.
+    forced = SamplingParams(min_tokens=1, logit_bias={1: 100.0}, temperature=1.5)
+    drawn = sample(logits[:1].repeat(200, 1), [forced] * 200, [0] * 200, eos_token_ids=eos)
+    assert 1 not in drawn
+    assert sample(logits[:1], [forced], [1], eos_token_ids=eos) == [1]

@@ -26,11 +26,14 @@ def tokenizer() -> Tokenizer:
     return Tokenizer("tiny-random")
 
 
-def _stream(tokenizer: Tokenizer, ids: list[int], stop: tuple[str, ...] = ()):
+def _stream(tokenizer: Tokenizer, ids: list[int], stop: tuple[str, ...] = (), min_tokens: int = 0):
+    """The deltas of `ids` added one at a time, as the engine adds them: a token before
+    `min_tokens` are out is added without the stop check."""
     detokenizer = tokenizer.detokenizer([0, 2], stop)
     deltas, stopped = [], False
     for i, token in enumerate(ids):
-        delta = detokenizer.add([token], is_last=i == len(ids) - 1)
+        is_last = i == len(ids) - 1
+        delta = detokenizer.add([token], is_last=is_last, check_stop=i + 1 >= min_tokens)
         deltas.append(delta.text)
         if delta.stopped:
             stopped = True
@@ -285,3 +288,57 @@ def test_direct_rust_calls_match_the_transformers_wrapper(
             assert tokenizer.decode(with_specials, skip_special_tokens=skip) == hf.decode(
                 with_specials, skip_special_tokens=skip
             ), (text, skip)
+
+
+def test_a_stop_string_before_min_tokens_is_ordinary_text(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("STOP it, then STOP and more")
+    num_first = len(tokenizer.encode("STOP"))
+    # The first STOP is done by token num_first: with min_tokens past it, it is text.
+    deltas, stopped = _stream(tokenizer, ids, ("STOP",), min_tokens=num_first + 1)
+    assert stopped
+    assert "".join(deltas) == "STOP it, then "
+    # At min_tokens = num_first the first one is completed by the min_tokens-th token.
+    deltas, stopped = _stream(tokenizer, ids, ("STOP",), min_tokens=num_first)
+    assert (stopped, "".join(deltas)) == (True, "")
+    # A min_tokens past every STOP: nothing stops, nothing is lost.
+    deltas, stopped = _stream(tokenizer, ids, ("STOP",), min_tokens=len(ids))
+    assert (stopped, "".join(deltas)) == (False, "STOP it, then STOP and more")
+    # A short stop string still held back (for the longer one) when min_tokens is
+    # reached stays text: only a stop string that the new text completes counts.
+    ids = tokenizer.encode("said so")  # s, a, i, d, " so"
+    deltas, stopped = _stream(tokenizer, ids, ("STOP", "ai"), min_tokens=4)
+    assert (stopped, "".join(deltas)) == (False, "said so")
+
+
+def test_a_stop_string_begun_before_min_tokens_stops_when_completed_after(
+    tokenizer: Tokenizer,
+) -> None:
+    ids = tokenizer.encode("one STOP two")
+    prefix = len(tokenizer.encode("one ST"))
+    assert tokenizer.decode(ids[:prefix]) == "one ST"  # STOP spans the min_tokens edge
+    deltas, stopped = _stream(tokenizer, ids, ("STOP",), min_tokens=prefix + 1)
+    assert stopped
+    assert "".join(deltas) == "one "
+    assert not any("S" in d for d in deltas)  # its start was held back all along
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    pieces=st.lists(st.sampled_from(WORDS), min_size=1, max_size=40),
+    stops=st.lists(st.sampled_from(["STOP", "ai", "way ", "本🙂", "\n a"]), max_size=2),
+    min_tokens=st.integers(0, 30),
+)
+def test_streamed_text_with_min_tokens_is_cut_at_the_first_stop_completed_after_it(
+    tokenizer: Tokenizer, pieces: list[str], stops: list[str], min_tokens: int
+) -> None:
+    """Against a reference that sees the whole text at once: a stop string counts only
+    when it ends after the text of the tokens before the min_tokens-th one."""
+    ids = tokenizer.encode("".join(pieces))
+    plain, _ = _stream(tokenizer, ids)
+    full = "".join(plain)
+    before = len("".join(plain[: max(0, min_tokens - 1)]))
+    found = [i for i in (full.find(s, max(0, before - len(s) + 1)) for s in stops) if i >= 0]
+    deltas, stopped = _stream(tokenizer, ids, tuple(stops), min_tokens)
+    assert stopped == bool(found)
+    assert "".join(deltas) == (full[: min(found)] if found else full)
+    assert all("\ufffd" not in d for d in deltas)

@@ -234,6 +234,40 @@ def test_ignore_eos_and_stop_token_ids(live_server: LiveServer) -> None:
     assert refused.value.param == "skip_special_tokens"
 
 
+def test_min_p_repetition_penalty_and_min_tokens(live_server: LiveServer) -> None:
+    """vLLM's samplers, through the client's extra_body, on the engine's real forward
+    pass (their arithmetic is tested in tests/engine)."""
+    client = live_server.client()
+    (eos, *_) = live_server.engine.tokenizer.eos_token_ids
+    # A prompt the tiny model's greedy decoding goes on repeating from.
+    prompt = [*range(100, 160), *[7] * 20]
+    args = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "logprobs": 0}
+    greedy = client.completions.create(**args, temperature=0, logit_bias={str(eos): -100})
+    # min_p = 1 keeps only the likeliest token: sampling hot and seeded is greedy.
+    floor = client.completions.create(
+        **args, temperature=1.8, seed=4, logit_bias={str(eos): -100}, extra_body={"min_p": 1.0}
+    )
+    assert floor.choices[0].text == greedy.choices[0].text
+    # A strong repetition penalty steers greedy decoding away from what it repeated.
+    tokens = greedy.choices[0].logprobs.tokens
+    penalized = client.completions.create(
+        **args,
+        temperature=0,
+        logit_bias={str(eos): -100},
+        extra_body={"repetition_penalty": 2.0},
+    )
+    assert len(set(tokens)) < len(tokens), "the plain greedy output repeats itself"
+    assert penalized.choices[0].logprobs.tokens != tokens
+    # With end-of-sequence forced, min_tokens holds it off for 4 tokens.
+    ended = client.completions.create(
+        **args, temperature=0, logit_bias={str(eos): 100}, extra_body={"min_tokens": 4}
+    )
+    assert (ended.choices[0].finish_reason, ended.usage.completion_tokens) == ("stop", 5)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt="abc", extra_body={"min_tokens": 17})
+    assert refused.value.param == "min_tokens"  # above max_tokens' default of 16
+
+
 def test_chat_stream_with_usage_matches_the_whole_reply(live_server: LiveServer) -> None:
     client = live_server.client()
     whole = client.chat.completions.create(

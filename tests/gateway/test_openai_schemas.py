@@ -224,8 +224,10 @@ def test_chat_messages_and_max_completion_tokens() -> None:
         ({"model": "m", "prompt": "x", "top_logprobs": 2}, "top_logprobs"),
         ({"model": "m", "prompt": "x", "top_k": -2}, "top_k"),
         ({"model": "m", "prompt": "x", "top_k": 1.5}, "top_k"),
-        ({"model": "m", "prompt": "x", "min_p": 0.1}, "min_p"),
-        ({"model": "m", "prompt": "x", "repetition_penalty": 1.1}, "repetition_penalty"),
+        ({"model": "m", "prompt": "x", "min_p": 1.1}, "min_p"),
+        ({"model": "m", "prompt": "x", "min_p": "0.1"}, "min_p"),
+        ({"model": "m", "prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+        ({"model": "m", "prompt": "x", "repetition_penalty": 2.5}, "repetition_penalty"),
         ({"model": "m", "prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
         ({"model": "m", "prompt": "x", "modalities": ["text", "audio"]}, "modalities"),
         ({"model": "m", "prompt": "x", "audio": {"voice": "alloy"}}, "audio"),
@@ -246,8 +248,10 @@ def test_chat_messages_and_max_completion_tokens() -> None:
         ),
         ({"model": "m", "prompt": "x", "use_beam_search": True}, "use_beam_search"),
         ({"model": "m", "prompt": "x", "truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),
-        ({"model": "m", "prompt": "x", "min_p": 0.05}, "min_p"),
-        ({"model": "m", "prompt": "x", "min_tokens": 3}, "min_tokens"),
+        ({"model": "m", "prompt": "x", "min_p": -0.05}, "min_p"),
+        ({"model": "m", "prompt": "x", "min_tokens": -1}, "min_tokens"),
+        ({"model": "m", "prompt": "x", "min_tokens": 1.5}, "min_tokens"),
+        ({"model": "m", "prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
         ({"model": "m", "prompt": "x", "bad_words": ["x"]}, "bad_words"),
         ({"model": "m", "prompt": "x", "structured_outputs": {"json": {}}}, "structured_outputs"),
         ({"model": "m", "prompt": "x", "logits_processors": ["p"]}, "logits_processors"),
@@ -391,3 +395,12 @@ def test_vllms_default_values_of_what_is_refused_are_accepted() -> None:
             parse_chat_request(
                 _body(model="m", messages=[{"role": "user", "content": "x"}], **chat_only_field)
             )
+
+
+def test_vllm_samplers_are_parsed() -> None:
+    options = parse_completion_request(
+        _body(model="m", prompt="x", min_p=0.1, repetition_penalty=1.3, min_tokens=4)
+    ).options
+    assert (options.min_p, options.repetition_penalty, options.min_tokens) == (0.1, 1.3, 4)
+    plain = parse_completion_request(_body(model="m", prompt="x")).options
+    assert (plain.min_p, plain.repetition_penalty, plain.min_tokens) == (0.0, 1.0, 0)

@@ -28,6 +28,9 @@ def test_every_sampling_field_survives_the_round_trip() -> None:
         logit_bias={9: -1.5},
         logprobs=2,
         prompt_logprobs=1,
+        min_p=0.05,
+        repetition_penalty=1.3,
+        min_tokens=4,
     )
     assert {f.name for f in fields(params)} <= set(json.loads(_job(params).to_json())["params"])
     assert Job.from_json(_job(params).to_json()) == _job(params)
@@ -50,6 +53,16 @@ def test_the_release_before_reads_a_job_that_uses_no_newer_field() -> None:
     assert _read_as_the_release_before(_job(with_logprobs).to_json()) == with_logprobs
     assert "prompt_logprobs" not in json.loads(_job(plain).to_json())["params"]
     assert Job.from_json(_job(plain).to_json()) == _job(plain)
+
+
+def test_vllms_samplers_are_left_out_at_their_default() -> None:
+    # The release before's SamplingParams knows none of them: a job that uses none must
+    # not carry them, and one that uses one carries it (and only it).
+    plain = json.loads(_job(SamplingParams(max_tokens=5)).to_json())["params"]
+    assert not {"min_p", "repetition_penalty", "min_tokens"} & set(plain)
+    assert {"min_p", "repetition_penalty", "min_tokens"} <= NEWER_PARAMS
+    with_min_p = json.loads(_job(SamplingParams(min_p=0.1)).to_json())["params"]
+    assert set(with_min_p) - set(plain) == {"min_p"}
 
 
 def test_a_job_written_with_every_field_still_reads() -> None:
