@@ -380,6 +380,15 @@ def _vllm_samplers() -> list[SamplingParams]:
     return [sampled, replace(sampled, seed=22, min_p=0.0), greedy]
 
 
+def _resume(llm: LLM, request_id: str, params: SamplingParams, sent: list[int]) -> list:
+    """The outputs of PROMPT's request resumed after `sent` tokens, run to its end."""
+    llm.engine.add_request(request_id, PROMPT, params, resumed_token_ids=sent)
+    outputs = []
+    while llm.engine.has_unfinished():
+        outputs += llm.engine.step()
+    return outputs
+
+
 @pytest.mark.parametrize("which", [0, 1, 2])
 def test_a_resumed_request_with_vllms_samplers_continues_as_uninterrupted(
     llm: LLM, which: int
@@ -392,10 +401,7 @@ def test_a_resumed_request_with_vllms_samplers_continues_as_uninterrupted(
     assert len(full) > 12
     for k in (3, 11, len(full) - 1):
         sent = "".join(o.text_delta for o in original[:k])
-        llm.engine.add_request(f"resumed-{k}", PROMPT, params, resumed_token_ids=full[:k])
-        outputs = []
-        while llm.engine.has_unfinished():
-            outputs += llm.engine.step()
+        outputs = _resume(llm, f"resumed-{k}", params, full[:k])
         assert outputs[-1].token_ids == full
         assert outputs[-1].finish_reason is original[-1].finish_reason
         assert sent + "".join(o.text_delta for o in outputs) == original[-1].text
@@ -412,10 +418,7 @@ def test_a_resume_before_min_tokens_keeps_earlier_stop_strings_as_text(llm: LLM)
     full = original[-1].token_ids
     for k in range(1, 6):
         sent = "".join(o.text_delta for o in original[:k])
-        llm.engine.add_request(f"resumed-{k}", PROMPT, params, resumed_token_ids=full[:k])
-        outputs = []
-        while llm.engine.has_unfinished():
-            outputs += llm.engine.step()
+        outputs = _resume(llm, f"resumed-{k}", params, full[:k])
         assert outputs[-1].token_ids == full
         assert sent + "".join(o.text_delta for o in outputs) == "AAAA"
 
