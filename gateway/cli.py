@@ -212,6 +212,11 @@ def _add_queue_and_batch_flags(parser: argparse.ArgumentParser) -> None:
         "--max-file-bytes", type=int, help="largest file upload (TIERGATE_MAX_FILE_BYTES)"
     )
     parser.add_argument(
+        "--tenant-file-bytes",
+        type=int,
+        help="what one tenant's uploaded files may hold in all (TIERGATE_TENANT_FILE_BYTES)",
+    )
+    parser.add_argument(
         "--batch-max-input-bytes",
         type=int,
         help="largest batch input file (TIERGATE_BATCH_MAX_INPUT_BYTES)",

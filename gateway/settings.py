@@ -48,6 +48,8 @@ class Settings:
     # Batch API: the upload cap of POST /v1/files, a batch's input limits, and how long
     # a dead gateway's batches wait before another gateway takes them over.
     max_file_bytes: int = 512 * 1024 * 1024
+    # What one tenant's uploaded files may hold in all (they live in the database).
+    tenant_file_bytes: int = 8 * 1024**3
     batch_max_input_bytes: int = 200 * 1024 * 1024
     batch_max_lines: int = 50_000
     batch_lease_s: float = 10.0
@@ -68,7 +70,12 @@ class Settings:
             raise SettingsError(
                 f"kv_cache_bytes must be at most 2**50 (1 PiB), not {self.kv_cache_bytes}"
             )
-        for name in ("max_file_bytes", "batch_max_input_bytes", "batch_max_lines"):
+        for name in (
+            "max_file_bytes",
+            "tenant_file_bytes",
+            "batch_max_input_bytes",
+            "batch_max_lines",
+        ):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be at least 1, not {getattr(self, name)}")
         if not (math.isfinite(self.batch_lease_s) and self.batch_lease_s > 0):
@@ -144,6 +151,7 @@ _ENV: dict[str, tuple[str, type]] = {
     "TIERGATE_MAX_MODEL_LEN": ("max_model_len", int),
     "TIERGATE_MAX_NUM_SEQS": ("max_num_seqs", int),
     "TIERGATE_MAX_FILE_BYTES": ("max_file_bytes", int),
+    "TIERGATE_TENANT_FILE_BYTES": ("tenant_file_bytes", int),
     "TIERGATE_BATCH_MAX_INPUT_BYTES": ("batch_max_input_bytes", int),
     "TIERGATE_BATCH_MAX_LINES": ("batch_max_lines", int),
     "TIERGATE_BATCH_LEASE_S": ("batch_lease_s", float),

@@ -21,7 +21,7 @@ from starlette.routing import BaseRoute, Route
 
 from gateway.auth import KeyAuthenticator, Principal
 from gateway.batches.driver import BatchDriver
-from gateway.batches.store import BatchStore
+from gateway.batches.store import BatchStore, StorageQuotaError
 from gateway.batches.validation import COMPLETION_WINDOWS_S, parse_create_request
 from gateway.batches.views import batch_view, file_view
 from gateway.db.batch_models import CANCELLED, CANCELLING
@@ -51,6 +51,7 @@ class BatchDeps:
     store: BatchStore
     driver: BatchDriver
     max_file_bytes: int
+    tenant_file_bytes: int = 8 * 1024**3  # a tenant's uploads in all
 
 
 class BatchRoutes:
@@ -116,9 +117,22 @@ class BatchRoutes:
                 f"The file is larger than the limit of {self.deps.max_file_bytes} bytes."
             )
         with _tenant_gone_as_401():
-            row = await self.deps.store.create_file(
-                principal.tenant_id, purpose=str(purpose), filename=filename, content=content
-            )
+            try:
+                row = await self.deps.store.create_file(
+                    principal.tenant_id,
+                    purpose=str(purpose),
+                    filename=filename,
+                    content=content,
+                    quota_bytes=self.deps.tenant_file_bytes,
+                )
+            except StorageQuotaError as exc:
+                raise InvalidRequestError(
+                    f"Storing this file ({len(content)} bytes) would take this tenant's "
+                    f"files past their limit of {exc.quota_bytes} bytes ({exc.used_bytes} "
+                    "in use); delete files that are no longer needed.",
+                    param="file",
+                    code="storage_quota_exceeded",
+                ) from None
         return JSONResponse(file_view(row))
 
     async def list_files(self, request: Request) -> Response:

@@ -58,6 +58,11 @@ async def start_batch_api(
     driver.start()
     stack.push_async_callback(driver.aclose)
     deps = BatchDeps(
-        auth=auth, tiers=tiers, store=store, driver=driver, max_file_bytes=settings.max_file_bytes
+        auth=auth,
+        tiers=tiers,
+        store=store,
+        driver=driver,
+        max_file_bytes=settings.max_file_bytes,
+        tenant_file_bytes=settings.tenant_file_bytes,
     )
     return BatchRoutes(deps).routes()

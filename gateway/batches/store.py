@@ -42,6 +42,8 @@ from gateway.db.models import Tenant, utcnow
 from gateway.openai.schemas import MAX_CHOICES
 from gateway.usage import UsageRecord, write_usage_with
 
+OUTPUT_PURPOSE = "batch_output"  # the files batches write
+
 # The timestamp column each status sets when a batch enters it.
 _STATUS_TIME = {
     IN_PROGRESS: "in_progress_at",
@@ -111,6 +113,15 @@ class PendingLine:
         return min(n, MAX_CHOICES)
 
 
+class StorageQuotaError(Exception):
+    """An upload would take a tenant's files past their quota."""
+
+    def __init__(self, used_bytes: int, quota_bytes: int) -> None:
+        super().__init__(f"{used_bytes} of {quota_bytes} bytes in use")
+        self.used_bytes = used_bytes
+        self.quota_bytes = quota_bytes
+
+
 class BatchStore:
     """The Batch API's tables, one short transaction per call."""
 
@@ -125,8 +136,17 @@ class BatchStore:
     # Files ---------------------------------------------------------------------------
 
     async def create_file(
-        self, tenant_id: str, *, purpose: str, filename: str, content: bytes
+        self,
+        tenant_id: str,
+        *,
+        purpose: str,
+        filename: str,
+        content: bytes,
+        quota_bytes: int | None = None,
     ) -> FileRow:
+        """Store an upload; StorageQuotaError if the tenant's uploads would then hold
+        more than `quota_bytes` (the files batches write are not counted: they are
+        bounded by their inputs)."""
         row = FileRow(
             id=new_file_id(),
             tenant_id=tenant_id,
@@ -137,6 +157,19 @@ class BatchStore:
             created_at=utcnow(),
         )
         async with self._sessionmaker() as session, session.begin():
+            if quota_bytes is not None:
+                # The tenant's row locked (PostgreSQL; SQLite writes one at a time): two
+                # uploads at once cannot both fit in the room left for one.
+                await session.execute(
+                    select(Tenant.id).where(Tenant.id == tenant_id).with_for_update()
+                )
+                used = await session.scalar(
+                    select(func.coalesce(func.sum(FileRow.num_bytes), 0)).where(
+                        FileRow.tenant_id == tenant_id, FileRow.purpose != OUTPUT_PURPOSE
+                    )
+                )
+                if used + len(content) > quota_bytes:
+                    raise StorageQuotaError(int(used), quota_bytes)
             session.add(row)
         return row
 
@@ -593,7 +626,7 @@ async def _add_output_file(
     row = FileRow(
         id=new_file_id(),
         tenant_id=batch.tenant_id,
-        purpose="batch_output",
+        purpose=OUTPUT_PURPOSE,
         filename=f"{batch.id}_{kind}.jsonl",
         num_bytes=len(content),
         content=content,

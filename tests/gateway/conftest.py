@@ -33,6 +33,7 @@ from tests.fleet_processes import delete_redis_prefix
 ROOT = Path(__file__).resolve().parents[2]
 TEST_MAX_MODEL_LEN = 256
 TEST_MAX_BODY_BYTES = 64 * 1024
+TEST_TENANT_FILE_BYTES = 4 * 1024 * 1024  # a tenant's uploads in all, on live_server
 TIERS = ("priority", "interactive", "batch")
 
 
@@ -196,6 +197,7 @@ def live_server(live_database_url: str, tmp_path_factory) -> Iterator[LiveServer
         model="tiny-random",
         device="cpu",
         max_body_bytes=TEST_MAX_BODY_BYTES,
+        tenant_file_bytes=TEST_TENANT_FILE_BYTES,
         usage_flush_interval_s=0.05,
     )
     engine = build_test_engine()

@@ -21,7 +21,7 @@ from sqlalchemy import text
 
 from gateway.batches import DriverConfig
 from gateway.db.session import create_db_engine, create_sessionmaker
-from tests.gateway.conftest import paced_tier, usage_rows
+from tests.gateway.conftest import TEST_TENANT_FILE_BYTES, paced_tier, usage_rows
 
 if TYPE_CHECKING:
     from tests.gateway.conftest import LiveServer
@@ -617,3 +617,20 @@ def _line_counts(live_server: LiveServer, batch_id: str) -> dict[str, int]:
         return {"done": sum(n for s, n in by_status.items() if s != "pending")}
 
     return asyncio.run(count())
+
+
+def test_a_tenants_uploads_are_bounded_in_all(live_server: LiveServer) -> None:
+    # Files live in the database: without a bound, one tenant's uploads could fill it.
+    client = live_server.client(live_server.new_key("batch"))
+    line = b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {}}\n'
+    third = line * (TEST_TENANT_FILE_BYTES // 3 // len(line))
+    kept = [client.files.create(file=("f.jsonl", third), purpose="batch") for _ in range(3)]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.files.create(file=("f.jsonl", third), purpose="batch")
+    assert (refused.value.code, refused.value.param) == ("storage_quota_exceeded", "file")
+    assert str(TEST_TENANT_FILE_BYTES) in refused.value.message
+    # Another tenant has room of its own; a deleted file frees its room.
+    other = live_server.client(live_server.new_key("batch"))
+    other.files.create(file=("f.jsonl", third), purpose="batch")
+    client.files.delete(kept[0].id)
+    client.files.create(file=("f.jsonl", third), purpose="batch")

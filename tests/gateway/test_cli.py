@@ -65,6 +65,7 @@ def test_settings_defaults_env_and_flags(tmp_path: Path) -> None:
         {"TIERGATE_MAX_NUM_SEQS": "0"},
         {"TIERGATE_BATCH_MAX_LINES": "0"},
         {"TIERGATE_MAX_FILE_BYTES": "-5"},
+        {"TIERGATE_TENANT_FILE_BYTES": "0"},
         {"TIERGATE_BATCH_LEASE_S": "nan"},
         {"TIERGATE_BATCH_LEASE_S": "-1"},
     ],
