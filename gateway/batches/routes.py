@@ -52,6 +52,7 @@ class BatchDeps:
     driver: BatchDriver
     max_file_bytes: int
     tenant_file_bytes: int = 8 * 1024**3  # a tenant's uploads in all
+    model_name: str | None = None  # what the batch objects say runs them
 
 
 class BatchRoutes:
@@ -217,7 +218,7 @@ class BatchRoutes:
                 metadata=parsed.metadata,
             )
         self.deps.driver.notify(row.id)
-        return JSONResponse(batch_view(row, None))
+        return JSONResponse(batch_view(row, None, self.deps.model_name))
 
     async def _batch_tier(self, principal: Principal) -> TierPolicy:
         """The batch tier, or the tenant's own tier if that one is lower still."""
@@ -231,7 +232,7 @@ class BatchRoutes:
         principal = await self._principal(request)
         row = await self._batch(principal, request.path_params["batch_id"])
         counts = await self.deps.store.line_counts([row.id])
-        return JSONResponse(batch_view(row, counts.get(row.id)))
+        return JSONResponse(batch_view(row, counts.get(row.id), self.deps.model_name))
 
     async def cancel_batch(self, request: Request) -> Response:
         principal = await self._principal(request)
@@ -246,7 +247,7 @@ class BatchRoutes:
             self.deps.driver.notify(batch_id)
             row = await self._batch(principal, batch_id)
         counts = await self.deps.store.line_counts([row.id])
-        return JSONResponse(batch_view(row, counts.get(row.id)))
+        return JSONResponse(batch_view(row, counts.get(row.id), self.deps.model_name))
 
     async def list_batches(self, request: Request) -> Response:
         principal = await self._principal(request)
@@ -260,7 +261,9 @@ class BatchRoutes:
             raise InvalidRequestError(f"after names no batch of yours: {after!r}.", param="after")
         rows, has_more = page
         counts = await self.deps.store.line_counts([r.id for r in rows])
-        return JSONResponse(_page([batch_view(r, counts.get(r.id)) for r in rows], has_more))
+        return JSONResponse(
+            _page([batch_view(r, counts.get(r.id), self.deps.model_name) for r in rows], has_more)
+        )
 
     async def _batch(self, principal: Principal, batch_id: str):
         _lookup_id(batch_id, _batch_not_found)

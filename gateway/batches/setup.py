@@ -64,5 +64,6 @@ async def start_batch_api(
         driver=driver,
         max_file_bytes=settings.max_file_bytes,
         tenant_file_bytes=settings.tenant_file_bytes,
+        model_name=openai.deps.model.model_name,
     )
     return BatchRoutes(deps).routes()

@@ -28,13 +28,14 @@ def file_view(row: FileRow) -> dict[str, Any]:
     }
 
 
-def batch_view(row: BatchRow, counts: LineCounts | None) -> dict[str, Any]:
+def batch_view(row: BatchRow, counts: LineCounts | None, model: str | None) -> dict[str, Any]:
+    """`model`: the one this server serves, which runs every batch."""
     counts = counts or LineCounts()
     return {
         "id": row.id,
         "object": "batch",
         "endpoint": row.endpoint,
-        "model": None,
+        "model": model,
         "errors": json.loads(row.errors_json) if row.errors_json else None,
         "input_file_id": row.input_file_id,
         "completion_window": row.completion_window,

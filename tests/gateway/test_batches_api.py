@@ -108,6 +108,7 @@ def test_batch_end_to_end(live_server: LiveServer) -> None:
     )
     assert created.status == "validating"
     assert created.metadata == {"job": "nightly"}
+    assert created.model == "tiny-random"  # the model this server runs every batch on
     assert created.expires_at - created.created_at == 86_400
     batch = _wait(client, created.id)
 
