@@ -138,6 +138,8 @@ class OpenAIRoutes:
             "object": "model",
             "created": self.deps.created_s,
             "owned_by": "tiergate",
+            # vLLM's field: what a client fits its prompt and max_tokens into.
+            "max_model_len": self.deps.model.max_model_len,
         }
 
     async def list_models(self, request: Request) -> Response:

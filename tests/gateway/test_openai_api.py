@@ -29,7 +29,9 @@ MESSAGES = [
 def test_models_lists_the_served_model(live_server: LiveServer) -> None:
     models = live_server.client().models.list()
     assert [m.id for m in models.data] == [MODEL]
-    assert live_server.client().models.retrieve(MODEL).id == MODEL
+    card = live_server.client().models.retrieve(MODEL)
+    assert card.id == MODEL
+    assert card.model_extra["max_model_len"] == live_server.max_model_len  # vLLM's field
 
 
 def test_chat_completion_counts_usage(live_server: LiveServer) -> None:
