@@ -18,6 +18,10 @@ from engine.errors import InvalidRequestError
 MAX_PENALTY = 2.0
 MAX_LOGIT_BIAS = 100.0
 MAX_REPETITION_PENALTY = 2.0  # vLLM's bound
+# vLLM takes any positive penalty; a tiny one divides positive logits into float32's
+# overflow (inf, then NaN probabilities: garbage tokens). A hundredfold is far past any
+# use: 0.5 already makes a model loop.
+MIN_REPETITION_PENALTY = 0.01
 MAX_TOP_LOGPROBS = 20  # OpenAI's cap on top_logprobs
 
 
@@ -108,10 +112,11 @@ class SamplingParams:
             raise InvalidRequestError("min_p must be in [0, 1]", param="min_p")
         if (
             not _is_finite_number(self.repetition_penalty)
-            or not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY
+            or not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY
         ):
             raise InvalidRequestError(
-                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}]",
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+                f"{MAX_REPETITION_PENALTY:g}]",
                 param="repetition_penalty",
             )
         if (

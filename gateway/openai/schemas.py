@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from engine.request import MAX_REPETITION_PENALTY
+from engine.request import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
 from gateway import json_body
 from gateway.errors import InvalidRequestError
 
@@ -364,9 +364,10 @@ def _vllm_samplers(data: dict[str, Any], max_tokens: int | None) -> dict[str, An
     if not 0.0 <= min_p <= 1.0:
         raise InvalidRequestError("min_p must be between 0 and 1.", param="min_p")
     penalty = _number(data, "repetition_penalty", default=1.0)
-    if not 0.0 < penalty <= MAX_REPETITION_PENALTY:
+    if not MIN_REPETITION_PENALTY <= penalty <= MAX_REPETITION_PENALTY:
         raise InvalidRequestError(
-            f"repetition_penalty must be greater than 0 and at most {MAX_REPETITION_PENALTY:g}.",
+            f"repetition_penalty must be between {MIN_REPETITION_PENALTY:g} and "
+            f"{MAX_REPETITION_PENALTY:g}.",
             param="repetition_penalty",
         )
     min_tokens = _optional(data, "min_tokens", int) or 0

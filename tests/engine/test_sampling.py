@@ -174,6 +174,10 @@ def test_penalties_apply_per_row() -> None:
         ({"logit_bias": {True: 1}}, "logit_bias"),
         ({"logit_bias": [[1, 2, 3]]}, "logit_bias"),
         ({"logit_bias": 5}, "logit_bias"),
+        # Dividing a positive logit by it overflows float32: inf, then NaN probabilities.
+        ({"repetition_penalty": 1e-45}, "repetition_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": 2.5}, "repetition_penalty"),
     ],
 )
 def test_bad_penalties_and_biases_are_typed_errors(kwargs: dict, param: str) -> None:
@@ -420,3 +424,19 @@ def test_min_tokens_bans_stop_tokens_until_enough_are_out() -> None:
     drawn = sample(logits[:1].repeat(200, 1), [forced] * 200, [0] * 200, eos_token_ids=eos)
     assert 1 not in drawn
     assert sample(logits[:1], [forced], [1], eos_token_ids=eos) == [1]
+
+
+def test_the_smallest_repetition_penalty_keeps_logits_finite() -> None:
+    # Scaled a hundredfold, 90 -> 9000 still wins; an overflow to inf/NaN would make the
+    # draw fall on id 0 (argmax of NaN), whatever the logits said.
+    from engine.request import MIN_REPETITION_PENALTY
+
+    logits = torch.tensor([[-5.0, 30.0, 90.0, 0.5]] * 2)
+    penalty = MIN_REPETITION_PENALTY
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=penalty),
+        SamplingParams(temperature=1.0, seed=3, repetition_penalty=penalty),
+    ]
+    counts = [torch.tensor([0, 1, 0, 0])] * 2  # token 1 in the output
+    masks = [torch.tensor([False, False, True, False])] * 2  # token 2 in the prompt
+    assert sample(logits, params, [1, 1], None, counts, masks) == [2, 2]

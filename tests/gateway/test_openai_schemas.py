@@ -227,6 +227,7 @@ def test_chat_messages_and_max_completion_tokens() -> None:
         ({"model": "m", "prompt": "x", "min_p": 1.1}, "min_p"),
         ({"model": "m", "prompt": "x", "min_p": "0.1"}, "min_p"),
         ({"model": "m", "prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+        ({"model": "m", "prompt": "x", "repetition_penalty": 1e-45}, "repetition_penalty"),
         ({"model": "m", "prompt": "x", "repetition_penalty": 2.5}, "repetition_penalty"),
         ({"model": "m", "prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
         ({"model": "m", "prompt": "x", "modalities": ["text", "audio"]}, "modalities"),
