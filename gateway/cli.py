@@ -543,10 +543,15 @@ def _demo_banner(settings: Settings, tenants: list, generated_token: bool) -> st
         "Demo tenants (keys are shown once; a rerun mints new ones):",
     ]
     lines += [f"  {t.name:<24} tier={t.tier:<12} {t.api_key}" for t in tenants]
-    source = "generated; set TIERGATE_ADMIN_TOKEN to choose one" if generated_token else "set"
+    # A token the operator chose is theirs to know: printed, it would land in the logs.
+    token = (
+        f"Admin token (generated; set TIERGATE_ADMIN_TOKEN to choose one): {settings.admin_token}"
+        if generated_token
+        else "Admin token: the one in TIERGATE_ADMIN_TOKEN (not printed)"
+    )
     lines += [
         "",
-        f"Admin token ({source}): {settings.admin_token}",
+        token,
         "",
         "Try it with curl:",
         f"  curl {base_url}/v1/chat/completions \\",

@@ -286,3 +286,14 @@ def test_output_piped_to_a_reader_that_leaves_ends_quietly() -> None:
         stderr = proc.stderr.read()
     assert proc.returncode == 141  # as the shell reports a SIGPIPE
     assert stderr == b""  # no traceback, no "error:"
+
+
+def test_demo_banner_prints_only_a_generated_admin_token(tmp_path: Path) -> None:
+    from gateway.cli import _demo_banner
+
+    settings = Settings(data_dir=tmp_path, admin_token="operator-chosen-secret-123")
+    chosen = _demo_banner(settings, [], generated_token=False)
+    assert "operator-chosen-secret-123" not in chosen
+    assert "TIERGATE_ADMIN_TOKEN (not printed)" in chosen
+    generated = _demo_banner(settings, [], generated_token=True)
+    assert "operator-chosen-secret-123" in generated
