@@ -61,6 +61,7 @@ from gateway.observability.probes import (
     stop_task,
 )
 from gateway.openai.routes import OpenAIDeps, OpenAIRoutes
+from gateway.openai.tokenize import TokenizeRoutes
 from gateway.queue_setup import RESULT_POLL_MS, build_queue
 from gateway.settings import Settings
 from gateway.usage import UsageWriter
@@ -269,6 +270,7 @@ async def _build_router(
         )
     )
     routes += openai.routes()
+    routes += TokenizeRoutes(openai).routes()
     routes += await start_batch_api(
         settings,
         sessionmaker=sessionmaker,
