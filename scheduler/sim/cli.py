@@ -158,7 +158,9 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     cal.add_argument(
         "--device", choices=("auto", "cpu", "cuda"), default="cpu", help="with --measure"
     )
-    cal.add_argument("--save-samples", type=Path, help="with --measure: also write the samples")
+    cal.add_argument(
+        "--save-samples", type=Path, help="with --measure only: also write the samples"
+    )
     cal.add_argument(
         "--base", default="cpu-tiny", help="preset or file giving the hardware numbers"
     )
@@ -206,6 +208,9 @@ def _presets(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
+    if args.save_samples and not args.measure:
+        # The samples are the --samples file already; silently writing nothing misled.
+        raise SimulationError("--save-samples goes with --measure, not --samples")
     base = load_params(args.base)
     # A measurement takes a minute or more: an output it cannot write is said first.
     _check_writable(args.out, "--out")
@@ -347,7 +352,8 @@ def _note_refused_for_the_cache(spec: WorkloadSpec, params: RooflineParams, stat
 def _report(args: argparse.Namespace) -> int:
     from scheduler.sim.report import report_paths, write_report
 
-    _positive(args, "engines", "duration", "suite_duration", "drain")
+    # --drain 0 is allowed, as in `run`: requests unfinished at the end count as misses.
+    _positive(args, "engines", "duration", "suite_duration")
     params = load_params(args.preset)
     _check_scale(args, params, "duration", "suite_duration")
     config = TargetConfig(

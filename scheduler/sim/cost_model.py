@@ -32,15 +32,21 @@ DEFAULT_MAX_MODEL_LEN = 16384
 MAX_KV_BLOCKS = 2**20
 # A preset file is a screen of JSON; reading a huge one would only stall.
 MAX_PARAMS_FILE_BYTES = 2**20
+# A samples file is ~100-150 bytes a step: 64 MiB is some 500,000 steps, hundreds of
+# times what `calibrate --measure` writes (~2,000) and more than an hour of a busy
+# engine's step log, while reading it stays within a few hundred MB of memory. A device
+# or a runaway file (/dev/zero) would otherwise be read until memory runs out.
+MAX_SAMPLES_FILE_BYTES = 64 * 2**20
 
 _POSITIVE_NUMBERS = (
     "num_params",
     "weight_bytes",
     "kv_bytes_per_token",
+    "attention_flops_per_token_pair",  # attention costs FLOPs in every model: 0 is a typo
     "memory_bandwidth_bytes_per_s",
     "peak_flops_per_s",
 )
-_NON_NEGATIVE_NUMBERS = ("overhead_s", "overhead_per_seq_s", "attention_flops_per_token_pair")
+_NON_NEGATIVE_NUMBERS = ("overhead_s", "overhead_per_seq_s")
 _FRACTIONS = ("memory_efficiency", "compute_efficiency")
 _COUNTS = ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens")
 
@@ -257,7 +263,7 @@ def load_params(name_or_path: str | Path) -> RooflineParams:
             f"{name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a file"
         )
     try:
-        text = read_small_file(path, MAX_PARAMS_FILE_BYTES).decode("utf-8")
+        text = read_small_file(path, MAX_PARAMS_FILE_BYTES, "a cost model").decode("utf-8")
     except UnicodeDecodeError as exc:
         raise CostModelError(f"{path}: not UTF-8 text ({exc.reason})") from None
     data = parse_json_object(text, path)
@@ -267,15 +273,16 @@ def load_params(name_or_path: str | Path) -> RooflineParams:
         raise CostModelError(f"{path}: {exc}") from None
 
 
-def read_small_file(path: Path, max_bytes: int) -> bytes:
-    """The bytes of a file the user named, or a CostModelError saying why not."""
+def read_small_file(path: Path, max_bytes: int, kind: str) -> bytes:
+    """The bytes of a file the user named (`kind`, for the error: "a cost model"), or a
+    CostModelError saying why not. At most `max_bytes` are read."""
     try:
         with path.open("rb") as f:
             data = f.read(max_bytes + 1)
     except OSError as exc:
         raise CostModelError(f"{path}: cannot read it ({exc.strerror or exc})") from None
     if len(data) > max_bytes:
-        raise CostModelError(f"{path}: larger than {max_bytes:,} bytes, not a cost model")
+        raise CostModelError(f"{path}: larger than {max_bytes:,} bytes, not {kind}")
     return data
 
 
@@ -312,23 +319,25 @@ class FitResult:
 
 def read_samples(lines: Iterable[str]) -> list[StepSample]:
     """JSON lines with num_batched_tokens, num_kv_tokens, step_s (and optionally
-    num_attention_pairs and num_seqs), as the engine's step log writes them."""
+    num_attention_pairs and num_seqs), as the engine's step log writes them. Values
+    outside what one engine step can be (see MAX_SAMPLE_COUNT, MIN_SAMPLE_STEP_S,
+    MAX_SAMPLE_STEP_S) are refused: they are typos, and would under- or overflow the
+    fit's float arithmetic."""
     samples = []
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             row = parse_json_object(line, f"sample line {lineno}")
+            num_tokens = _sample_count(row, "num_batched_tokens")
+            num_kv = _sample_count(row, "num_kv_tokens")
             shape = StepShape(
-                _sample_count(row, "num_batched_tokens"),
-                _sample_count(row, "num_kv_tokens"),
-                _sample_pairs(row.get("num_attention_pairs")),
+                num_tokens,
+                num_kv,
+                _sample_pairs(row.get("num_attention_pairs"), num_tokens * num_kv),
                 _sample_count(row, "num_seqs", 0),
             )
-            step_s = _number(row.get("step_s"))
-            if not step_s >= 0:
-                raise ValueError("step_s must be a finite number >= 0")
-            samples.append(StepSample(shape, step_s))
+            samples.append(StepSample(shape, _sample_step_s(row.get("step_s"))))
         except ValueError as exc:  # CostModelError included
             message = str(exc).removeprefix(f"sample line {lineno}: ")
             raise CostModelError(f"sample line {lineno}: {message}") from None
@@ -336,21 +345,29 @@ def read_samples(lines: Iterable[str]) -> list[StepSample]:
 
 
 def read_samples_file(path: Path) -> list[StepSample]:
-    """`read_samples` of a file the user named; unreadable or not UTF-8 is a CostModelError."""
+    """`read_samples` of a file the user named; a directory, a device or a pipe, a file
+    over MAX_SAMPLES_FILE_BYTES, unreadable or not UTF-8 is a CostModelError."""
     if path.is_dir():
         raise CostModelError(f"{path}: is a directory, not a samples file")
+    if path.exists() and not path.is_file():
+        raise CostModelError(f"{path}: not a regular file (a device or a pipe), not samples")
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise CostModelError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+        data = read_small_file(path, MAX_SAMPLES_FILE_BYTES, "a samples file")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise CostModelError(f"{path}: not UTF-8 text ({exc.reason})") from None
     return read_samples(text.splitlines())
 
 
-# Token counts of one measured step; beyond this a count is a typo (and would overflow
-# the float arithmetic of the fit).
-_MAX_SAMPLE_COUNT = 10**12
+# Tokens, KV tokens read and sequences of one measured step. A step reads at most its
+# engine's whole cache, and the simulator's largest (2^20 blocks) holds 2^24 tokens at
+# 16 a block: 2^30 leaves room for any block size and is still no typo's 10^12.
+MAX_SAMPLE_COUNT = 2**30
+# A step's wall time: 100 ns is less than one kernel launch, 10^4 s (almost three
+# hours) more than any step; outside, a time is a typo in units (or 1e-200, whose
+# squared inverse, the fit's weight, is no float). 0 stays allowed: the fit skips it.
+MIN_SAMPLE_STEP_S = 1e-7
+MAX_SAMPLE_STEP_S = 1e4
 
 
 def _sample_count(row: dict[str, object], key: str, default: int | None = None) -> int:
@@ -360,17 +377,35 @@ def _sample_count(row: dict[str, object], key: str, default: int | None = None) 
         raise ValueError(f"missing {key}")
     value = row[key]
     number = _number(value)
-    if not (0 <= number <= _MAX_SAMPLE_COUNT and number == int(number)):
-        raise ValueError(f"{key} must be a whole number >= 0, got {value!r:.40}")
+    if not (0 <= number <= MAX_SAMPLE_COUNT and number == int(number)):
+        raise ValueError(
+            f"{key} must be a whole number in [0, {MAX_SAMPLE_COUNT:,}] (one engine step), "
+            f"got {value!r:.40}"
+        )
     return int(number)
 
 
-def _sample_pairs(value: object) -> float | None:
+def _sample_pairs(value: object, most: int) -> float | None:
+    """(query, key) pairs: each of the step's new tokens attends to at most every token
+    it reads, so at most num_batched_tokens × num_kv_tokens (`most`)."""
     if value is None:
         return None
     number = _number(value)
-    if not number >= 0:
-        raise ValueError(f"num_attention_pairs must be a finite number >= 0, got {value!r:.40}")
+    if not 0 <= number <= most:
+        raise ValueError(
+            "num_attention_pairs must be a finite number in [0, num_batched_tokens x "
+            f"num_kv_tokens = {most:,}], got {value!r:.40}"
+        )
+    return number
+
+
+def _sample_step_s(value: object) -> float:
+    number = _number(value)
+    if not (number == 0 or MIN_SAMPLE_STEP_S <= number <= MAX_SAMPLE_STEP_S):
+        raise ValueError(
+            f"step_s must be 0 or a finite number of seconds in [{MIN_SAMPLE_STEP_S:g}, "
+            f"{MAX_SAMPLE_STEP_S:g}], got {value!r:.40}"
+        )
     return number
 
 
@@ -387,6 +422,24 @@ def fit_roofline(base: RooflineParams, samples: Sequence[StepSample]) -> FitResu
     usable = [s for s in samples if s.shape.num_batched_tokens > 0 and s.step_s > 0]
     if len(usable) < 3:
         raise CostModelError("calibration needs at least 3 steps with tokens and a time > 0")
+    try:
+        result = _fit(base, usable)
+    except (ArithmeticError, CostModelError):  # over- or underflow, a division by 0
+        result = None
+    if result is None or not math.isfinite(result.mean_abs_rel_error):
+        # read_samples keeps every value within one engine step's range; a base whose
+        # sizes or rates are extreme can still make the predicted times overflow.
+        raise CostModelError(
+            f"the {len(usable)} steps cannot be fitted with base {base.name!r}: the "
+            "predicted step times are not finite; check the base's sizes and rates, "
+            "and the samples' units"
+        )
+    return result
+
+
+def _fit(base: RooflineParams, usable: Sequence[StepSample]) -> FitResult | None:
+    """fit_roofline's search on samples with tokens and a time > 0; None when no point of
+    the grid has a finite error."""
     unit_mem = replace(base, memory_efficiency=1.0, compute_efficiency=1.0, overhead_s=0.0)
     mem = [unit_mem.memory_time_s(s.shape.num_kv_tokens) for s in usable]
     comp = [
@@ -427,7 +480,9 @@ def fit_roofline(base: RooflineParams, samples: Sequence[StepSample]) -> FitResu
         cm, cc = math.log(best[3]), math.log(best[4])
         lo_m, hi_m = max(log_lo, cm - span_m), min(log_hi, cm + span_m)
         lo_c, hi_c = max(log_lo, cc - span_c), min(log_hi, cc + span_c)
-    _, overhead, per_seq, eff_mem, eff_comp = best
+    err, overhead, per_seq, eff_mem, eff_comp = best
+    if not math.isfinite(err):
+        return None
     fitted = replace(
         base,
         overhead_s=overhead,

@@ -272,17 +272,25 @@ def write_plots(experiment: Experiment, out_dir: Path) -> list[Path]:
     return paths
 
 
+PLOT_NAMES = ("attainment.png", "goodput.png")
+
+
 def report_paths(out_dir: Path, *, plots: bool = True) -> list[Path]:
     """The files write_report writes in out_dir."""
-    names = ["report.md", "report.json"] + (["attainment.png", "goodput.png"] if plots else [])
+    names = ["report.md", "report.json"] + (list(PLOT_NAMES) if plots else [])
     return [out_dir / name for name in names]
 
 
 def write_report(
     experiment: Experiment, out_dir: Path, *, command: str = "", plots: bool = True
 ) -> list[Path]:
-    """report.md, report.json and (with plots) the PNGs in out_dir: report_paths."""
+    """report.md, report.json and (with plots) the PNGs in out_dir: report_paths.
+    Without plots, the PNGs of an earlier report in out_dir are removed: left beside
+    the new report they would read as its plots."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    if not plots:
+        for name in PLOT_NAMES:
+            (out_dir / name).unlink(missing_ok=True)
     md = out_dir / "report.md"
     md.write_text(render_markdown(experiment, command=command), encoding="utf-8")
     js = out_dir / "report.json"

@@ -102,17 +102,19 @@ class Experiment:
     goodput: dict[str, dict[str, GoodputAt90]] = field(default_factory=dict)
 
 
-def _attainment(stats: RunStats, tier: str, kind: str = "offered") -> float:
+def _attainment(stats: RunStats, tier: str, kind: str = "offered") -> float | None:
+    """A tier's attainment (of the offered or the admitted requests); None when the run
+    had no such request, so nothing to judge: an absent tier is not an attained one."""
     t = stats.tiers.get(tier)
     if t is None:
-        return 1.0
-    value = t.attainment if kind == "offered" else t.admitted_attainment
-    return 1.0 if value is None else value
+        return None
+    return t.attainment if kind == "offered" else t.admitted_attainment
 
 
 def keeps_90(stats: RunStats, kind: str = "offered") -> bool:
-    """Priority and interactive both keep 90% attainment."""
-    return all(_attainment(stats, t, kind) >= 0.9 for t in LATENCY_TIERS)
+    """Priority and interactive both keep 90% attainment (a tier with no request to
+    count does not)."""
+    return all((a := _attainment(stats, t, kind)) is not None and a >= 0.9 for t in LATENCY_TIERS)
 
 
 def fcfs_capacity(
@@ -123,12 +125,27 @@ def fcfs_capacity(
 ) -> float:
     """Offered rate at which FCFS keeps 90% interactive attainment (bisection).
     `before_run(rate, lo)` is called before each run with its rate and the capacity
-    known so far (at least `lo`); it may raise to stop the search."""
+    known so far (at least `lo`); it may raise to stop the search.
+
+    A run that offers no interactive request measures nothing, and 1.0x is the unit of
+    the whole report: the search stops with a SimulationError rather than call such a
+    rate one that keeps 90% (or one that does not: the rates below it, offering fewer
+    requests still, would measure nothing either). It happens at rates so low that FCFS
+    missed 90% at every higher one, a preset that cannot serve the mix, or with a
+    duration too short for any interactive arrival. So does a search that ends at 0."""
     check = before_run or (lambda _rate, _lo: None)
 
     def keeps(rate: float, lo: float) -> bool:
         check(rate, lo)
-        return _attainment(config.run("fcfs", rate), "interactive") >= 0.9
+        attained = _attainment(config.run("fcfs", rate), "interactive")
+        if attained is None:
+            raise SimulationError(
+                f"the FCFS capacity search offered no interactive request at {rate:.3g} "
+                f"requests/s over {config.duration_s:g} s, so it cannot tell whether FCFS "
+                "keeps 90% there (it searches this low when FCFS missed 90% at every higher "
+                "rate: check the preset); pass a longer --duration, or --capacity"
+            )
+        return attained >= 0.9
 
     lo, hi = 0.0, 4.0 * config.num_engines
     while keeps(hi, lo):
@@ -141,6 +158,11 @@ def fcfs_capacity(
             lo = mid
         else:
             hi = mid
+    if lo <= 0:
+        raise SimulationError(
+            f"FCFS kept 90% interactive attainment at no rate tried (down to {hi:.3g} "
+            "requests/s): check the preset, or pass a longer --drain, or --capacity"
+        )
     return lo
 
 
@@ -315,27 +337,33 @@ def evaluate(experiment: Experiment) -> list[Target]:
     )
 
     # 3. At the load where FCFS keeps 90% interactive attainment (1.0x by definition).
+    # A tier with no request at that load was not measured: n/a, not 100%.
     at1 = _nearest(ours, 1.0)
     p, i = _attainment(at1, "priority"), _attainment(at1, "interactive")
     targets.append(
         Target(
             3,
             "At FCFS's 90% load: priority ≥ 99%, interactive ≥ 95%",
-            f"priority {p:.1%}, interactive {i:.1%}",
+            f"priority {_share(p)}, interactive {_share(i)}",
             "≥ 99%, ≥ 95%",
-            p >= 0.99 and i >= 0.95,
+            p is not None and i is not None and p >= 0.99 and i >= 0.95,
+            measured=p is not None and i is not None,
         )
     )
 
     # 4. Goodput of the latency tiers at 90% attainment vs vtc and priority. The verdict
     # uses attainment of the offered load; the admitted-request figures are shown beside.
+    # Both baselines must have run: "≥ 1.3x both" is not met by comparing with one, or
+    # with none (the verdict is then n/a).
     found = {p: experiment.goodput.get(p) or _grid_goodput(sweep[p]) for p in sweep}
-    parts, ok = [], True
+    missing = [other for other in ("vtc", "priority") if other not in sweep]
+    parts, ok = [], not missing
     for kind in ATTAINMENTS:
         mine = found["tiered"][kind]
         ratios = []
         for other in ("vtc", "priority"):
             if other not in sweep:
+                ratios.append(f"{other} not run")
                 continue
             theirs = found[other][kind]
             if theirs.goodput_per_s > 0:
@@ -356,6 +384,7 @@ def evaluate(experiment: Experiment) -> list[Target]:
             "; ".join(parts),
             "≥ 1.3x both (offered)",
             ok,
+            measured=not missing,
         )
     )
 
@@ -363,34 +392,46 @@ def evaluate(experiment: Experiment) -> list[Target]:
     over_ours, over_fcfs = _nearest(ours, 1.5), _nearest(fcfs, 1.5)
     admitted = sum(over_ours.tiers[t].num_admitted for t in LATENCY_TIERS if t in over_ours.tiers)
     met = sum(over_ours.tiers[t].num_met_slo for t in LATENCY_TIERS if t in over_ours.tiers)
-    adm_att = met / admitted if admitted else 1.0
+    adm_att = met / admitted if admitted else None
     v_ours, v_fcfs = _violations(over_ours), _violations(over_fcfs)
     fewer = v_fcfs / v_ours if v_ours else float("inf")
     # No violation of ours leaves no ratio to print ("infx"); FCFS's count says enough.
     compared = f"{v_fcfs} vs {v_ours}" + (f" ({fewer:.1f}x)" if v_ours else "")
     total_refused, on_batch = refusal_split(over_ours)
     batch_share = on_batch / total_refused if total_refused else 1.0
-    below = [load for load in ours if load <= 0.9]
+    # The batch clause needs a swept load ≤ 0.9x that offered batch requests.
+    below = [load for load in ours if load <= 0.9 and "batch" in ours[load].tiers]
     starved = sum(
         ours[load].tiers["batch"].num_offered - ours[load].tiers["batch"].num_met_slo
         for load in below
-        if "batch" in ours[load].tiers
     )
+    starved_text = f"{starved} batch misses at ≤ 0.9x" if below else "n/a (no load ≤ 0.9x run)"
+    # As target 1: a clause with nothing to judge it by makes the target n/a, not passed.
+    # FCFS missing nothing at "1.5x" means the load was no overload: nothing to be 10x
+    # fewer than (0 vs 0 is no infinite gain); no latency request admitted leaves no
+    # admitted attainment.
+    measured = v_fcfs > 0 and adm_att is not None and bool(below)
     targets.append(
         Target(
             5,
             "At 1.5x: admitted attainment ≥ 95%; ≥ 10x fewer violations than FCFS; "
             "≥ 90% of refusals on batch/over-quota; no batch starvation below 0.9x",
-            f"{adm_att:.1%}; {compared}; "
-            f"{batch_share:.0%} of {total_refused}; {starved} batch misses at ≤ 0.9x",
+            f"{_share(adm_att)}; {compared}; {batch_share:.0%} of {total_refused}; {starved_text}",
             "≥ 95%; ≥ 10x; ≥ 90%; 0",
-            # FCFS missing nothing at "1.5x" means the load was no overload: nothing to
-            # be 10x fewer than (0 vs 0 is no infinite gain), so not passed but n/a.
-            v_fcfs > 0 and adm_att >= 0.95 and fewer >= 10 and batch_share >= 0.9 and starved == 0,
-            measured=v_fcfs > 0,
+            measured
+            and adm_att is not None
+            and adm_att >= 0.95
+            and fewer >= 10
+            and batch_share >= 0.9
+            and starved == 0,
+            measured=measured,
         )
     )
     return targets
+
+
+def _share(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1%}"
 
 
 def _load(found: GoodputAt90) -> str:

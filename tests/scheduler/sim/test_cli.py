@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import resource
 import subprocess
 import sys
 from dataclasses import replace
@@ -219,6 +220,19 @@ def test_a_nan_literal_in_a_preset_names_its_field(tmp_path, capsys) -> None:
         (None, "is a directory"),
         (b"\xff\xfe", "not UTF-8 text"),
         (b'{"num_batched_tokens": 4, "num_kv_tokens": 1e999, "step_s": 1}', "num_kv_tokens"),
+        # Finite values beyond any step: tracebacks (exit 1) or a preset with "inf%" error.
+        (b'{"num_batched_tokens": 1, "num_kv_tokens": 100, "step_s": 1e-200}\n' * 3, "step_s"),
+        (b'{"num_batched_tokens": 1, "num_kv_tokens": 100, "step_s": 1e200}\n' * 3, "step_s"),
+        (
+            b'{"num_batched_tokens": 1000000000000, "num_kv_tokens": 1000000000000, '
+            b'"step_s": 0.005, "num_attention_pairs": 1e300}\n' * 3,
+            "num_batched_tokens",
+        ),
+        (
+            b'{"num_batched_tokens": 1, "num_kv_tokens": 100, "step_s": 0.005, '
+            b'"num_attention_pairs": 1e308}\n' * 3,
+            "num_attention_pairs",
+        ),
     ],
 )
 def test_calibrate_refuses_samples_that_are_no_steps_in_one_line(
@@ -404,3 +418,73 @@ def test_a_report_too_large_to_finish_is_refused_up_front(
     assert expected in line
     assert line.endswith("a report offers at most 50,000,000")
     assert not out.exists()
+
+
+def _at_most_1_gib() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (2**30, 2**30))
+
+
+def test_calibrate_refuses_a_samples_device_in_one_line(tmp_path) -> None:
+    # /dev/zero was read until memory ran out: a process with 1 GiB of address space, so
+    # that a regression is a MemoryError there, not a machine out of memory.
+    out = tmp_path / "fitted.json"
+    argv = ["calibrate", "--samples", "/dev/zero", "--out", str(out)]
+    done = subprocess.run(
+        [sys.executable, "-m", "scheduler.sim.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=_at_most_1_gib,
+    )
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        "error: /dev/zero: not a regular file (a device or a pipe), not samples"
+    ]
+    assert not out.exists()
+
+
+def test_calibrate_refuses_save_samples_with_samples(tmp_path, capsys) -> None:
+    # Before, --save-samples was silently ignored with --samples.
+    truth = replace(load_preset("cpu-tiny"), overhead_s=0.006)
+    samples = _write_samples(tmp_path, truth, [StepShape(n, n * 100) for n in (1, 2, 4, 8)])
+    out, saved = tmp_path / "fitted.json", tmp_path / "saved.jsonl"
+    argv = ["calibrate", "--samples", str(samples), "--out", str(out)]
+    assert main([*argv, "--save-samples", str(saved)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: --save-samples goes with --measure, not --samples"
+    ]
+    assert not out.exists()
+    assert not saved.exists()
+
+
+def test_report_without_plots_removes_the_plots_of_an_earlier_report(tmp_path, capsys) -> None:
+    out = tmp_path / "r"
+    out.mkdir()
+    for name in ("attainment.png", "goodput.png"):
+        (out / name).write_bytes(b"an earlier report's plot")
+    assert main(_small_report(out)) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["report.json", "report.md"]
+    # Only fcfs and tiered ran: target 4 compares with vtc and priority, so it is n/a.
+    assert "target 4: n/a" in capsys.readouterr().out
+
+
+def test_report_takes_a_drain_of_0_as_run_does(tmp_path, capsys) -> None:
+    argv = _small_report(tmp_path / "r")
+    argv[argv.index("--drain") + 1] = "0"
+    assert main(argv) == 0
+    assert json.loads((tmp_path / "r" / "report.json").read_text())["capacity_rate_per_s"] == 2
+
+
+def test_report_refuses_a_capacity_search_with_no_interactive_request_to_measure(
+    tmp_path, capsys
+) -> None:
+    # Steps of 3 s: FCFS misses everywhere, and the bisection went down to rates that
+    # offer no interactive request; those "kept 90%", so 1.0x came out as 0 requests/s
+    # and target 3 passed at "100%" with nothing offered.
+    out = tmp_path / "r"
+    argv = ["report", "--preset", _preset(tmp_path, overhead_s=3.0), "--duration", "5"]
+    argv += ["--drain", "5", "--suite-duration", "5", "--no-plots", "--out", str(out)]
+    assert main(argv) == 2
+    [error] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
+    assert error.startswith("error: the FCFS capacity search offered no interactive request")
+    assert not (out / "report.json").exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 from dataclasses import replace
 from pathlib import Path
@@ -293,3 +294,97 @@ def test_the_fit_keeps_efficiencies_within_peak(tmp_path) -> None:
     assert fitted.memory_efficiency == 1.0
     save_params(fitted, tmp_path / "fitted.json")
     assert load_params(tmp_path / "fitted.json") == fitted
+
+
+_OK = '{"num_batched_tokens": 4, "num_kv_tokens": 40, "step_s": 0.01}'
+
+
+@pytest.mark.parametrize(
+    ("line", "match"),
+    [
+        # Finite but beyond any step: each crashed the fit (1/t² underflowing to 0, a
+        # weight sum of 0, a square overflowing) or wrote a preset with "inf%" error.
+        ('{"num_batched_tokens": 4, "num_kv_tokens": 40, "step_s": 1e-200}', "step_s"),
+        ('{"num_batched_tokens": 4, "num_kv_tokens": 40, "step_s": 1e-8}', "step_s"),
+        ('{"num_batched_tokens": 4, "num_kv_tokens": 40, "step_s": 1e200}', "step_s"),
+        ('{"num_batched_tokens": 4, "num_kv_tokens": 40, "step_s": 20000}', "step_s"),
+        ('{"num_batched_tokens": 1e12, "num_kv_tokens": 40, "step_s": 1}', "num_batched_tokens"),
+        ('{"num_batched_tokens": 4, "num_kv_tokens": 1e12, "step_s": 1}', "num_kv_tokens"),
+        (
+            '{"num_batched_tokens": 4, "num_kv_tokens": 40, "step_s": 1, "num_seqs": 1e12}',
+            "num_seqs",
+        ),
+        (
+            '{"num_batched_tokens": 1, "num_kv_tokens": 100, "step_s": 0.005, '
+            '"num_attention_pairs": 1e308}',
+            "num_attention_pairs",
+        ),
+        (
+            '{"num_batched_tokens": 2, "num_kv_tokens": 100, "step_s": 0.005, '
+            '"num_attention_pairs": 201}',
+            "num_attention_pairs",
+        ),
+    ],
+)
+def test_sample_values_beyond_one_engine_step_are_refused(line: str, match: str) -> None:
+    with pytest.raises(CostModelError, match=f"sample line 2: {match} must be"):
+        read_samples([_OK, line])
+
+
+def test_sample_values_at_the_edges_of_their_ranges_are_read() -> None:
+    lines = [
+        '{"num_batched_tokens": 1073741824, "num_kv_tokens": 1073741824, "step_s": 10000, '
+        '"num_seqs": 1073741824, "num_attention_pairs": 1.15e18}',
+        '{"num_batched_tokens": 2, "num_kv_tokens": 100, "step_s": 1e-7, '
+        '"num_attention_pairs": 200}',
+        '{"num_batched_tokens": 0, "num_kv_tokens": 0, "step_s": 0}',
+    ]
+    assert [s.step_s for s in read_samples(lines)] == [1e4, 1e-7, 0.0]
+
+
+@pytest.mark.parametrize("step_s", [1e-200, 1e200])
+def test_a_fit_the_floats_cannot_do_is_a_cost_model_error(step_s: float) -> None:
+    # Samples built in code skip read_samples' ranges: the fit itself must not crash.
+    shapes = [StepShape(n, n * 100) for n in (1, 8, 64)]
+    with pytest.raises(CostModelError, match="cannot be fitted"):
+        fit_roofline(load_preset("cpu-tiny"), [StepSample(s, step_s) for s in shapes])
+
+
+def test_a_base_whose_predictions_overflow_on_the_samples_is_a_cost_model_error() -> None:
+    # A valid base (its own longest step is finite) and valid samples, but 2^30 tokens
+    # at 10^300 parameters is no float: before, "mean error inf%" and a written preset.
+    base = replace(load_preset("cpu-tiny"), num_params=1e300, peak_flops_per_s=1e300)
+    shape = StepShape(2**30, 2**30)
+    with pytest.raises(CostModelError, match="cannot be fitted with base 'cpu-tiny'"):
+        fit_roofline(base, [StepSample(shape, t) for t in (0.01, 0.02, 0.03)])
+
+
+def test_samples_files_that_are_no_regular_files_or_too_large_are_refused(
+    tmp_path, monkeypatch
+) -> None:
+    from scheduler.sim import cost_model
+
+    # A pipe was read until its writer stopped, /dev/zero until memory ran out (the CLI
+    # test runs that one in a process of its own): neither is opened now.
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(CostModelError, match="not a regular file"):
+        cost_model.read_samples_file(fifo)
+    path = tmp_path / "steps.jsonl"
+    path.write_text((_OK + "\n") * 3)
+    assert len(cost_model.read_samples_file(path)) == 3
+    monkeypatch.setattr(cost_model, "MAX_SAMPLES_FILE_BYTES", len(_OK) * 2)
+    with pytest.raises(CostModelError, match=r"larger than .* bytes, not a samples file"):
+        cost_model.read_samples_file(path)
+
+
+def test_attention_flops_per_token_pair_must_be_positive(tmp_path) -> None:
+    # The doc says FLOP counts are > 0; 0 was accepted (attention for free).
+    path = tmp_path / "p.json"
+    path.write_text(
+        json.dumps({**load_preset("cpu-tiny").to_dict(), "attention_flops_per_token_pair": 0})
+    )
+    with pytest.raises(
+        CostModelError, match="attention_flops_per_token_pair must be a finite number > 0"
+    ):
+        load_params(path)

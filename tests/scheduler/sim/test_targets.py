@@ -3,15 +3,22 @@ meet it and fails on numbers that miss it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import pytest
 
 from scheduler.sim.cost_model import load_preset
+from scheduler.sim.fleet import SimulationError
 from scheduler.sim.metrics import RunStats, TierStats
 from scheduler.sim.targets import (
+    LATENCY_TIERS,
     Experiment,
     TargetConfig,
     evaluate,
+    fcfs_capacity,
     goodput_at_90,
+    keeps_90,
     refusal_split,
     search_goodput_at_90,
 )
@@ -227,3 +234,97 @@ def test_target_5_with_no_violation_of_ours_prints_no_infinite_ratio() -> None:
     assert "; 3000 vs 0; " in target.value
     assert "inf" not in target.value
     assert (target.passed, target.verdict) == (True, "pass")
+
+
+def _without(policy: str, **sweep: dict[float, RunStats]) -> Experiment:
+    experiment = _experiment(**sweep)
+    del experiment.sweep[policy]
+    return experiment
+
+
+@pytest.mark.parametrize("missing", ["vtc", "priority"])
+def test_target_4_is_not_measured_unless_both_baselines_ran(missing: str) -> None:
+    # Ours beats the one baseline that ran by far: still no verdict on "≥ 1.3x both".
+    ours = _falling({2.0: 0.5})
+    weak = _falling({1.5: 0.5, 2.0: 0.3})
+    target = _target(_without(missing, tiered=ours, vtc=weak, priority=weak), 4)
+    assert (target.passed, target.measured, target.verdict) == (False, False, "n/a")
+    assert f"{missing} not run" in target.value
+    experiment = _experiment(tiered=ours, vtc=weak, priority=weak)
+    del experiment.sweep["vtc"], experiment.sweep["priority"]
+    assert _target(experiment, 4).verdict == "n/a"
+
+
+def test_target_5_batch_clause_is_not_measured_without_a_load_at_or_below_0_9() -> None:
+    collapsed = {load: _run(0.0, 0.0, batch_met=0.0) for load in LOADS}
+    experiment = _experiment(fcfs=collapsed)
+    for policy in experiment.sweep:
+        experiment.sweep[policy] = {
+            load: stats for load, stats in experiment.sweep[policy].items() if load > 0.9
+        }
+    target = _target(experiment, 5)
+    assert (target.passed, target.measured, target.verdict) == (False, False, "n/a")
+    assert "n/a (no load ≤ 0.9x run)" in target.value
+
+
+def test_target_5_admitted_attainment_is_not_measured_with_nothing_admitted() -> None:
+    collapsed = {load: _run(0.0, 0.0, batch_met=0.0) for load in LOADS}
+    ours = {load: _run() for load in LOADS}
+    refuse_all = {"priority": {"slo_unattainable": 1000}, "interactive": {"queue_full": 1000}}
+    ours[1.5] = _run(0.0, 0.0, refused=refuse_all)
+    target = _target(_experiment(tiered=ours, fcfs=collapsed), 5)
+    assert target.verdict == "n/a"
+    assert target.value.startswith("n/a;")
+
+
+def _drop_tier(stats: RunStats, tier: str) -> RunStats:
+    tiers = {name: t for name, t in stats.tiers.items() if name != tier}
+    return RunStats(stats.duration_s, tiers, stats.output_tokens_per_s, 0, 0, {})
+
+
+@pytest.mark.parametrize("tier", ["priority", "interactive"])
+def test_target_3_is_not_measured_when_a_tier_had_no_request(tier: str) -> None:
+    ours = {load: _run() for load in LOADS}
+    ours[1.0] = _drop_tier(ours[1.0], tier)
+    target = _target(_experiment(tiered=ours), 3)
+    assert (target.passed, target.measured, target.verdict) == (False, False, "n/a")
+    assert f"{tier} n/a" in target.value
+
+
+def test_a_tier_with_no_request_does_not_keep_90() -> None:
+    assert keeps_90(_run())
+    for tier in LATENCY_TIERS:
+        assert not keeps_90(_drop_tier(_run(), tier))
+        assert not keeps_90(_drop_tier(_run(), tier), "admitted")
+
+
+@dataclass(frozen=True)
+class _FakeFcfs(TargetConfig):
+    """TargetConfig whose FCFS runs are hand-made: `outcome(rate)` is the run's stats."""
+
+    outcome: Callable[[float], RunStats] = lambda _rate: _run()
+
+    def run(self, policy, rate_per_s, provisioned_rate_per_s=None):  # type: ignore[override]
+        return self.outcome(rate_per_s)
+
+
+def _fake_fcfs(outcome: Callable[[float], RunStats]) -> TargetConfig:
+    return _FakeFcfs(CONFIG.params, duration_s=5, outcome=outcome)
+
+
+def test_fcfs_capacity_does_not_count_a_run_without_interactive_requests() -> None:
+    # FCFS misses everywhere it has interactive requests; below 1 request/s the
+    # workload offers none. Before, such a run "kept 90%" and 1.0x came out near 0.
+    def outcome(rate: float) -> RunStats:
+        return _run(interactive=0.5) if rate >= 1.0 else _drop_tier(_run(), "interactive")
+
+    with pytest.raises(SimulationError, match=r"offered no interactive request at 0\.5 requests/s"):
+        fcfs_capacity(_fake_fcfs(outcome))
+
+
+def test_fcfs_capacity_is_an_error_when_no_rate_keeps_90() -> None:
+    # Interactive requests at every rate, never 90%: before, 1.0x came out as 0 requests/s.
+    with pytest.raises(SimulationError, match="kept 90% interactive attainment at no rate"):
+        fcfs_capacity(_fake_fcfs(lambda _rate: _run(interactive=0.5)))
+    capacity = fcfs_capacity(_fake_fcfs(lambda rate: _run(interactive=0.5 if rate > 3 else 1.0)))
+    assert 2.9 < capacity <= 3
