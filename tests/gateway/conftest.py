@@ -33,7 +33,7 @@ from tests.fleet_processes import delete_redis_prefix
 ROOT = Path(__file__).resolve().parents[2]
 TEST_MAX_MODEL_LEN = 256
 TEST_MAX_BODY_BYTES = 64 * 1024
-TEST_TENANT_FILE_BYTES = 4 * 1024 * 1024  # a tenant's uploads in all, on live_server
+TEST_TENANT_FILE_BYTES = 16 * 1024 * 1024  # a tenant's uploads in all: a 10 MB file fits
 TIERS = ("priority", "interactive", "batch")
 
 
