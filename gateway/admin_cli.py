@@ -22,7 +22,7 @@ from urllib.parse import quote
 
 import httpx
 
-from gateway.cli_output import print_json
+from gateway.cli_output import print_json, print_subcommand_help
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 API_PREFIX = "/admin/v1"
@@ -131,7 +131,7 @@ def add_admin_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "admin", help="manage tiers, tenants and API keys over the admin API"
     )
     groups = admin.add_subparsers(title="objects", metavar="OBJECT")
-    admin.set_defaults(func=lambda args: _usage(admin))
+    admin.set_defaults(func=lambda args: print_subcommand_help(admin))
 
     def leaf(group, name: str, help_: str, build: Callable[[argparse.Namespace], tuple]):
         parser = group.add_parser(name, help=help_, parents=[common])
@@ -207,14 +207,9 @@ def add_admin_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     return admin
 
 
-def _usage(parser: argparse.ArgumentParser) -> int:
-    parser.print_help(sys.stderr)
-    return 2
-
-
 def _group(groups, name: str, help_: str):
     parser = groups.add_parser(name, help=help_)
-    parser.set_defaults(func=lambda args: _usage(parser))
+    parser.set_defaults(func=lambda args: print_subcommand_help(parser))
     return parser.add_subparsers(metavar="ACTION")
 
 

@@ -26,7 +26,7 @@ from typing import Any, TextIO
 import httpx
 
 from gateway.admin_cli import BadIdError, path_segment, positive_seconds
-from gateway.cli_output import print_json
+from gateway.cli_output import print_json, print_subcommand_help
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
@@ -111,7 +111,7 @@ def add_batch_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
     batch = subparsers.add_parser("batch", help="run JSONL files through the Batch API")
     actions = batch.add_subparsers(metavar="ACTION")
-    batch.set_defaults(func=lambda _args: _usage(batch))
+    batch.set_defaults(func=lambda _args: print_subcommand_help(batch))
 
     submit = actions.add_parser(
         "submit", help="upload a JSONL file and start a batch", parents=[common]
@@ -143,11 +143,6 @@ def add_batch_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     cancel.add_argument("batch_id")
     cancel.set_defaults(func=lambda args: _run(args, lambda c, a: _print(c.cancel(a.batch_id))))
     return batch
-
-
-def _usage(parser: argparse.ArgumentParser) -> int:
-    parser.print_help(sys.stderr)
-    return 2
 
 
 def _run(args: argparse.Namespace, action: Callable[[BatchClient, argparse.Namespace], int]) -> int:

@@ -22,6 +22,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gateway.cli_output import print_subcommand_help
 from gateway.errors import GatewayError
 from gateway.settings import Settings, SettingsError, settings_from_env
 
@@ -143,6 +144,7 @@ def _parser() -> argparse.ArgumentParser:
     migrate.set_defaults(func=_migrate)
 
     usage = commands.add_parser("usage", help="usage records maintenance")
+    usage.set_defaults(func=lambda _args: print_subcommand_help(usage))
     usage_commands = usage.add_subparsers(title="usage commands", metavar="COMMAND")
     rebuild = usage_commands.add_parser(
         "rebuild-rollup",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from typing import IO, Any
@@ -15,3 +16,10 @@ def print_json(payload: Any, file: IO[str] | None = None) -> None:
         print(json.dumps(payload, indent=2, ensure_ascii=False), file=stream)
     except UnicodeEncodeError:
         print(json.dumps(payload, indent=2), file=stream)
+
+
+def print_subcommand_help(parser: argparse.ArgumentParser) -> int:
+    """A command group called without its subcommand (`tiergate usage`): the group's own
+    help, on stderr, and the status of a usage error."""
+    parser.print_help(sys.stderr)
+    return 2

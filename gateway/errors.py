@@ -13,6 +13,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from sqlalchemy import exc as sa_exc
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse
 
@@ -151,7 +152,28 @@ def register_error(exc_type: type[BaseException], kind: ErrorKind) -> None:
     ERROR_TABLE[exc_type] = kind
 
 
+# The database unreachable (down, restarting, dropped, its pool exhausted): "cannot at
+# all, for now", as a queue that cannot be reached. Other database errors (a constraint,
+# a bad statement) are bugs, left to the logged 500.
+DATABASE_UNAVAILABLE = ErrorKind(503, "service_unavailable_error", "database_unavailable")
+
+
+def _is_database_unavailable(exc: BaseException) -> bool:
+    if isinstance(exc, sa_exc.TimeoutError):  # no pooled connection came free in time
+        return True
+    if not isinstance(exc, sa_exc.DBAPIError):
+        return False
+    # No statement: it failed while connecting.
+    return (
+        isinstance(exc, sa_exc.OperationalError | sa_exc.InterfaceError)
+        or exc.connection_invalidated
+        or exc.statement is None
+    )
+
+
 def _lookup(exc: BaseException) -> ErrorKind | None:
+    if _is_database_unavailable(exc):
+        return DATABASE_UNAVAILABLE
     for klass in type(exc).__mro__:
         kind = ERROR_TABLE.get(klass)
         if kind is not None:
@@ -177,6 +199,8 @@ def error_code(exc: BaseException) -> str:
     kind = _lookup(exc)
     if kind is None:
         return "server_error"
+    if kind is DATABASE_UNAVAILABLE:  # SQLAlchemy's own `code` is a docs anchor
+        return kind.code or kind.type
     return getattr(exc, "code", None) or kind.code or kind.type
 
 
@@ -194,6 +218,19 @@ def error_response(exc: BaseException, *, request_id: str | None = None) -> JSON
         return JSONResponse(
             error_body("Internal server error", "server_error", None, None),
             status_code=500,
+            headers=headers,
+        )
+    if kind is DATABASE_UNAVAILABLE:
+        # The driver's text names hosts and databases: logged here, not sent.
+        log.warning("the database is unreachable: %s", exc)
+        return JSONResponse(
+            error_body(
+                "The database is unreachable; try again shortly.",
+                kind.type,
+                None,
+                kind.code,
+            ),
+            status_code=kind.status,
             headers=headers,
         )
     message = getattr(exc, "message", None) or str(exc)

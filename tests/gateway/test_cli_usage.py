@@ -79,3 +79,10 @@ def test_simulate_is_a_tiergate_command(capsys) -> None:
         main(["simulate", "--help"])
     assert exited.value.code == 0
     assert "simulate" in capsys.readouterr().out
+
+
+def test_usage_alone_prints_its_own_help(capsys) -> None:
+    assert main(["usage"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: tiergate usage")
+    assert "rebuild-rollup" in err

@@ -357,3 +357,25 @@ def test_a_request_over_the_tpm_limit_says_what_to_set(live_server: LiveServer) 
     room = int(given.value.message.rsplit("at most ", 1)[1].split(",")[0])
     reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=room)
     assert reply.usage.prompt_tokens + room == 64
+
+
+def test_a_database_out_of_reach_is_503_and_a_database_bug_500() -> None:
+    # SQLAlchemy's own exceptions, as a dropped database, a server down, a pool with no
+    # free connection and a broken constraint raise them.
+    from sqlalchemy import exc as sa_exc
+
+    from gateway.errors import error_response
+
+    reason = OSError("connection refused")
+    unreachable = [
+        sa_exc.DBAPIError(None, None, reason),  # at connect: no statement ('does not exist')
+        sa_exc.OperationalError("SELECT 1", {}, reason),
+        sa_exc.InterfaceError("SELECT 1", {}, reason),
+        sa_exc.DBAPIError("SELECT 1", {}, reason, connection_invalidated=True),
+        sa_exc.TimeoutError("QueuePool limit of size 5 overflow 10 reached"),
+    ]
+    for exc in unreachable:
+        response = error_response(exc)
+        assert response.status_code == 503, exc
+        assert b'"database_unavailable"' in response.body
+    assert error_response(sa_exc.IntegrityError("INSERT", {}, reason)).status_code == 500
