@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import os
 import signal
 from typing import Any
 
@@ -50,10 +51,20 @@ async def run_worker(
 
 
 def stop_on_signals(stop: asyncio.Event) -> None:
-    """Set `stop` on SIGTERM (what a pod gets before it is killed) and SIGINT."""
+    """Set `stop` on SIGTERM (what a pod gets before it is killed) and SIGINT. A second
+    signal while the drain runs ends the process at once, as an operator who sends it
+    asks: its leases lapse and other workers resume its jobs, as after a crash."""
     loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        if stop.is_set():
+            log.warning("second %s while draining: exiting now", signal.Signals(signum).name)
+            logging.shutdown()
+            os._exit(128 + signum)
+        stop.set()
+
     for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
+        loop.add_signal_handler(signum, on_signal, signum)
 
 
 async def _maybe_await(value: Any) -> Any:
