@@ -67,9 +67,12 @@ def _in_own_thread(fn: Callable[[], T]) -> T:
 # Two `tiergate migrate` runs at once (a Job retried while its first pod still runs, two
 # operators) would both create the schema of a fresh database and one would fail on a
 # duplicate. On PostgreSQL each run holds this transaction-scoped advisory lock (scoped to
-# the database), so the second waits and then finds nothing left to do. SQLite
-# serializes writers itself.
+# the database), so the second waits and then finds nothing left to do. On SQLite the
+# run takes the database's write lock before it reads the revision (BEGIN IMMEDIATE; a
+# deferred transaction let both read "no schema" first), waiting up to
+# _SQLITE_LOCK_WAIT_MS for another run to finish.
 _MIGRATION_LOCK_KEY = int.from_bytes(b"tiergate", "big")
+_SQLITE_LOCK_WAIT_MS = 120_000
 
 
 class SchemaRevisionError(GatewayError):
@@ -90,6 +93,11 @@ def _run(database_url: str, operation: Callable[[Config, Connection], T]) -> T:
                             text("SELECT pg_advisory_xact_lock(:key)"),
                             {"key": _MIGRATION_LOCK_KEY},
                         )
+                    elif sync_connection.dialect.name == "sqlite":
+                        sync_connection.exec_driver_sql(
+                            f"PRAGMA busy_timeout = {_SQLITE_LOCK_WAIT_MS}"
+                        )
+                        sync_connection.exec_driver_sql("BEGIN IMMEDIATE")
                     config.attributes["connection"] = sync_connection
                     return operation(config, sync_connection)
 

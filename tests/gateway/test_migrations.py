@@ -4,6 +4,8 @@ migrated schema equals the models; seeded tiers."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
@@ -153,3 +155,18 @@ def test_seed_downgrade_keeps_the_tiers_tenants_are_on(migrated_database_url: st
     assert not TABLES & _run(lambda: _tables(url))
     upgrade_to_head(url)
     assert len(_run(lambda: _scalar_rows(url, "SELECT name FROM tiers"))) == 3
+
+
+def test_two_migrations_at_once_both_succeed(database_url: str) -> None:
+    # A retried migration Job while its first pod still runs, or two `serve` started on
+    # one fresh data dir: the second waits for the first's lock (PostgreSQL's advisory
+    # lock, SQLite's write lock taken before the revision is read), then has nothing to
+    # do. On SQLite both used to read "no schema" and one failed on "table exists".
+    command = [sys.executable, "-m", "gateway.cli", "migrate", "--database-url", database_url]
+    runs = [
+        subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for _ in range(2)
+    ]
+    outputs = [run.communicate(timeout=180)[0] for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], outputs
+    assert current_revision(database_url) in head_revisions()
