@@ -166,6 +166,7 @@ class Admission:
         job: Job,
         *,
         num_choices: int = 1,
+        num_prompts: int = 1,
         num_tokens: int | None = None,
         max_tokens_given: bool = True,
     ) -> Reservation:
@@ -176,12 +177,11 @@ class Admission:
         (InvalidRequestError, 400, if the request exceeds the whole TPM limit: no wait
         would help). `max_tokens_given`: whether the client set max_tokens (else the
         endpoint's default did, which the 400 then says). `num_tokens`: the whole
-        request's tokens when it has several prompts (each billed once, each with its
-        own max_tokens), instead of the count from `job`."""
+        request's tokens (several prompts are each billed once, each with its own
+        max_tokens); by default, `job`'s prompt and num_choices x its max_tokens."""
         limits = TenantLimits(
             rpm=principal.rpm, tpm=principal.tpm, max_concurrency=principal.max_concurrency
         )
-        several_prompts = num_tokens is not None
         if num_tokens is None:
             num_tokens = job.num_prompt_tokens + num_choices * job.params.max_tokens
         try:
@@ -195,7 +195,7 @@ class Admission:
             self._hold(reservation)
             return reservation
         except RequestExceedsLimitError as exc:
-            if several_prompts:
+            if num_prompts > 1:
                 message = (
                     f"Request too large: {num_tokens} tokens (its prompts + max_tokens "
                     f"of each of its {num_choices} choices) exceed the limit of "

@@ -315,7 +315,8 @@ class OpenAIRoutes:
             exchange.principal,
             jobs[0],
             num_choices=len(jobs),
-            num_tokens=plan.num_reserved_tokens if len(plan.prompt_tokens) > 1 else None,
+            num_prompts=len(plan.prompt_tokens),
+            num_tokens=plan.num_reserved_tokens,
             max_tokens_given=max_tokens_given,
         )
         headers = reservation.status.headers()
