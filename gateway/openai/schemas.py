@@ -134,7 +134,15 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
 
 
 def parse_completion_request(body: bytes) -> CompletionRequest:
-    data = parse_json_object(body)
+    return completion_request(parse_json_object(body))
+
+
+def parse_chat_request(body: bytes) -> ChatCompletionRequest:
+    return chat_request(parse_json_object(body))
+
+
+def completion_request(data: dict[str, Any]) -> CompletionRequest:
+    """A completions body already decoded to its JSON object."""
     options = _options(data, chat=False)
     prompts = _prompts(data)
     if len(prompts) * options.n > MAX_CHOICES:
@@ -146,8 +154,8 @@ def parse_completion_request(body: bytes) -> CompletionRequest:
     return CompletionRequest(prompts=prompts, options=options)
 
 
-def parse_chat_request(body: bytes) -> ChatCompletionRequest:
-    data = parse_json_object(body)
+def chat_request(data: dict[str, Any]) -> ChatCompletionRequest:
+    """A chat completions body already decoded to its JSON object."""
     return ChatCompletionRequest(messages=_messages(data), options=_options(data, chat=True))
 
 

@@ -19,7 +19,7 @@ from starlette.routing import BaseRoute, Route
 
 from gateway.errors import InvalidRequestError
 from gateway.openai.routes import OpenAIRoutes
-from gateway.openai.schemas import parse_chat_request, parse_completion_request, parse_json_object
+from gateway.openai.schemas import chat_request, completion_request, parse_json_object
 
 # Decoded in a worker thread past this many ids, as long prompts are tokenized.
 OFF_LOOP_MIN_DECODE_TOKENS = 4096
@@ -43,7 +43,7 @@ class TokenizeRoutes:
         chat = "messages" in data
         if chat and "prompt" in data:
             raise InvalidRequestError("Send prompt or messages, not both.", param="messages")
-        parsed = parse_chat_request(body) if chat else parse_completion_request(body)
+        parsed = chat_request(data) if chat else completion_request(data)
         openai.check_model(parsed.options.model)
         prompts = await openai.prompt_token_ids_off_loop(parsed, len(body))
         if len(prompts) != 1:
