@@ -204,8 +204,8 @@ class _BatchRun:
         self.batch_id = batch_id
         self.owner = driver.owner_id
         self.config = driver.config
-        self.in_flight: dict[str, tuple[asyncio.Task[None], int]] = {}  # request id -> line
-        self.num_jobs_in_flight = 0  # their choices, each a job
+        # Request id -> its line's task and jobs (a line with n choices runs n).
+        self.in_flight: dict[str, tuple[asyncio.Task[None], int]] = {}
         self.cursor = -1  # highest line index submitted in this pass
         # Lines the queue refused (still pending, not in flight), retried before new ones.
         self.refused: list[PendingLine] = []
@@ -292,6 +292,10 @@ class _BatchRun:
                 await asyncio.sleep(self.config.heartbeat_s)
         return True
 
+    @property
+    def num_jobs_in_flight(self) -> int:
+        return sum(num_jobs for _, num_jobs in self.in_flight.values())
+
     def _window(self) -> int:
         """Jobs in flight at most: the driver's cap, within the tenant's concurrency
         limit (its own, else its tier's) and the batch tier's."""
@@ -314,15 +318,8 @@ class _BatchRun:
         task = asyncio.create_task(
             self._run_line(batch, line, request_id), name=f"batch-line-{request_id}"
         )
-        num_jobs = line.num_choices
-        self.in_flight[request_id] = (task, line.line_index)
-        self.num_jobs_in_flight += num_jobs
-
-        def done(_task: asyncio.Task[None]) -> None:
-            self.in_flight.pop(request_id, None)
-            self.num_jobs_in_flight -= num_jobs
-
-        task.add_done_callback(done)
+        self.in_flight[request_id] = (task, line.num_choices)
+        task.add_done_callback(lambda _t: self.in_flight.pop(request_id, None))
 
     async def _run_line(self, batch: BatchRow, line: PendingLine, request_id: str) -> None:
         if self.principal is None or self.tier is None:
