@@ -17,7 +17,10 @@ a worse rank is not counted.
 
 Decode work ahead counts at a fraction because jobs ahead stop on average before their
 max_tokens and, with continuous batching, a job starts once those ahead have been
-admitted to the batch, not finished. If the prediction exceeds the SLO the job is refused
+admitted to the batch, not finished. It counts only when the job must wait for a
+sequence slot: workers report how many requests their engines would start at the next
+step, and while more are free than jobs are queued ahead, a new job joins the running
+batch without waiting for any decode to end. If the prediction exceeds the SLO the job is refused
 with the time after which the same request would fit (`retry_after_ms`). A job whose own
 prefill alone exceeds the SLO can never fit: it is admitted once nothing is ahead of it
 (best effort) and otherwise refused with the time the work ahead needs to drain
@@ -76,6 +79,7 @@ def slo_budget(
         held_prefill_tokens=held.num_prefill_tokens,
         held_decode_tokens=held.num_decode_tokens,
         decode_ahead_fraction=config.decode_ahead_fraction,
+        num_free_seqs=capacity.num_free_seqs,
     )
 
 

@@ -151,6 +151,9 @@ class WorkAhead:
 
     num_prefill_tokens: int
     num_decode_tokens: int
+    # Jobs queued in better tiers and in the job's own (all of them: a bound, counted the
+    # same way by both backends): they take free sequence slots before the job does.
+    num_jobs: int = 0
 
 
 @dataclass(frozen=True)
@@ -169,12 +172,21 @@ class SloBudget:
     held_prefill_tokens: int = 0
     held_decode_tokens: int = 0
     decode_ahead_fraction: float = 0.5
+    # Sequence slots the engines would fill at their next step (FleetCapacity).
+    num_free_seqs: int = 0
 
     def predict_ms(self, work: WorkAhead, num_prompt_tokens: int) -> float:
         """Predicted TTFT of a job of `num_prompt_tokens` with `work` queued ahead of it.
-        The Redis queue computes the same in Lua (slo_predict in scheduler/lua/_lib.lua)."""
+        The Redis queue computes the same in Lua (slo_predict in scheduler/lua/_lib.lua).
+
+        Decode ahead delays the job only when it must wait for a sequence slot: with a
+        slot still free after the jobs queued ahead took theirs, it joins the running
+        batch at once and only the prefill ahead of it counts. (Counted always, one long
+        generation on an idle engine refused every request of an SLO tier.)"""
         num_prefill = work.num_prefill_tokens + self.held_prefill_tokens + num_prompt_tokens
         num_decode = work.num_decode_tokens + self.held_decode_tokens
+        if work.num_jobs < self.num_free_seqs:
+            num_decode = 0
         prefill_s = num_prefill / self.prefill_tokens_per_s
         decode_s = 0.0
         if num_decode and self.decode_tokens_per_s > 0:
@@ -225,6 +237,9 @@ class FleetCapacity:
     unprefilled_tokens_by_rank: Mapping[int, int] = field(default_factory=dict)
     # Tokens the engines' requests may still generate (max_tokens left), per rank.
     decode_tokens_by_rank: Mapping[int, int] = field(default_factory=dict)
+    # Requests the engines would start at their next step if they arrived now (0 from a
+    # worker that does not say): a newcomer that finds one waits for no decode to end.
+    num_free_seqs: int = 0
 
     def backlog_ahead(self, rank: int) -> WorkAhead:
         """Engine-held work an engine serves before a new request of `rank`: that of
@@ -252,6 +267,7 @@ class WorkerReport:
     step_token_budget: int | None = None
     num_preemptions: int | None = None  # since the worker started
     num_recomputed_tokens: int | None = None  # since the worker started
+    num_free_seqs: int = 0  # requests its engine would start at its next step
 
 
 # The operator-facing fields of a worker's report (WorkerReport), with their types.
@@ -437,14 +453,15 @@ class QueueBackend(Protocol):
         ttl_ms: int,
         unprefilled_tokens_by_rank: Mapping[int, int] | None = None,
         decode_tokens_by_rank: Mapping[int, int] | None = None,
+        num_free_seqs: int = 0,
         **details: float | None,
     ) -> None:
-        """A worker's measured rates and its engine's backlog per rank (EngineStats);
-        they count for ttl_ms (publish again to stay live). A report replaces the
-        worker's previous one, backlog included. `details`: the WORKER_DETAIL_TYPES
-        fields (sequence counts, KV-cache use, step budget, preemption counters), shown
-        to operators (`worker_reports`, the gateways' metrics and dashboard), not used
-        by admission; any other name is a TypeError."""
+        """A worker's measured rates, its engine's backlog per rank (EngineStats) and the
+        requests it would start at its next step; they count for ttl_ms (publish again
+        to stay live). A report replaces the worker's previous one. `details`: the
+        WORKER_DETAIL_TYPES fields (sequence counts, KV-cache use, step budget,
+        preemption counters), shown to operators (`worker_reports`, the gateways'
+        metrics and dashboard), not used by admission; any other name is a TypeError."""
         ...
 
     async def fleet_capacity(self) -> FleetCapacity: ...

@@ -192,8 +192,9 @@ class Dispatcher:
             )
 
     async def publish_capacity(self) -> None:
-        """Report the engine's measured rates (or the defaults until it has measured) and
-        the work it holds per rank, which admission adds to the queued work ahead."""
+        """Report the engine's measured rates (or the defaults until it has measured),
+        the work it holds per rank, which admission adds to the queued work ahead, and
+        the requests it would start at its next step."""
         stats = getattr(self._engine, "stats", None)
         prefill = decode = 0.0
         snapshot = None
@@ -208,8 +209,17 @@ class Dispatcher:
             ttl_ms=self._config.capacity_ttl_ms,
             unprefilled_tokens_by_rank=getattr(snapshot, "unprefilled_tokens_by_rank", None),
             decode_tokens_by_rank=getattr(snapshot, "decode_tokens_by_rank", None),
+            num_free_seqs=self._num_free_seqs(),
             **{name: getattr(snapshot, name, None) for name in WORKER_DETAIL_TYPES},
         )
+
+    def _num_free_seqs(self) -> int:
+        """Requests the engine would start at its next step (0 when it cannot say)."""
+        room = getattr(self._engine, "newcomer_room", None)
+        if self._is_stopping or not callable(room):
+            return 0
+        num_seqs, num_tokens = room()
+        return num_seqs if num_tokens > 0 else 0
 
     def _report_capacity_soon(self) -> None:
         """Report the engine's held work now rather than at the next heartbeat: a job left

@@ -334,6 +334,7 @@ class MemoryBackend:
         entry.lease_until_ms = now_ms + lease_ms
         entry.num_leases += 1
         heapq.heappush(self._leases, (entry.lease_until_ms, job_id))
+        self._take_free_seq(worker_id)
         rank = self._rank(job.tier)
         if job.rank != rank or job.resumed_token_ids != entry.resumed_token_ids:
             job = entry.job = replace(job, rank=rank, resumed_token_ids=entry.resumed_token_ids)
@@ -566,13 +567,16 @@ class MemoryBackend:
     ) -> WorkAhead:
         key = (self._rank(tier), tier)
         prefill = decode = 0.0
+        num_jobs = 0
         for name, other in self._tiers.items():
             if name != tier and other.num_jobs and (self._rank(name), name) < key:
+                num_jobs += other.num_jobs
                 for q in other.queues.values():
                     prefill += q.num_prefill_tokens
                     decode += q.num_decode_tokens
         own = self._tiers.get(tier)
         if own is not None:
+            num_jobs += own.num_jobs
             mine = own.queues.get(tenant_id)
             mine_prefill = num_prompt_tokens + (0 if mine is None else mine.num_prefill_tokens)
             for tenant, q in own.queues.items():
@@ -585,7 +589,7 @@ class MemoryBackend:
                 decode += (
                     q.num_decode_tokens * take / q.num_prefill_tokens if q.num_prefill_tokens else 0
                 )
-        return WorkAhead(prefill, decode)
+        return WorkAhead(prefill, decode, num_jobs)
 
     async def publish_capacity(
         self,
@@ -596,6 +600,7 @@ class MemoryBackend:
         ttl_ms: int,
         unprefilled_tokens_by_rank: Mapping[int, int] | None = None,
         decode_tokens_by_rank: Mapping[int, int] | None = None,
+        num_free_seqs: int = 0,
         **details: float | None,
     ) -> None:
         self._worker_details[worker_id] = (
@@ -608,11 +613,24 @@ class MemoryBackend:
             float(decode_tokens_per_s),
             {int(r): int(n) for r, n in (unprefilled_tokens_by_rank or {}).items()},
             {int(r): int(n) for r, n in (decode_tokens_by_rank or {}).items()},
+            max(0, int(num_free_seqs)),
         )
         until_ms = self._clock_ms() + ttl_ms
         self._workers[worker_id] = (until_ms, report)
         self._fleet = None
         self._next_lapse_ms = min(self._next_lapse_ms, until_ms)
+
+    def _take_free_seq(self, worker_id: str) -> None:
+        """A job leased to the worker takes one of the sequence slots it last reported
+        free (as dispatch.lua does): admission stops counting it before the next report."""
+        live = self._workers.get(worker_id)
+        if live is not None and live[1].num_free_seqs > 0:
+            until_ms, report = live
+            self._workers[worker_id] = (
+                until_ms,
+                replace(report, num_free_seqs=report.num_free_seqs - 1),
+            )
+            self._fleet = None
 
     async def fleet_capacity(self) -> FleetCapacity:
         self._drop_lapsed_workers(self._clock_ms())
@@ -630,6 +648,7 @@ class MemoryBackend:
             sum(r.decode_tokens_per_s for r in live),
             unprefilled,
             decode,
+            sum(r.num_free_seqs for r in live),
         )
         return self._fleet
 
@@ -658,6 +677,7 @@ class MemoryBackend:
                     report.decode_tokens_per_s,
                     unprefilled_tokens_by_rank=dict(report.unprefilled_tokens_by_rank),
                     decode_tokens_by_rank=dict(report.decode_tokens_by_rank),
+                    num_free_seqs=report.num_free_seqs,
                     **details,
                 )
             )

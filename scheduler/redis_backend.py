@@ -131,6 +131,7 @@ _CAPACITY_FIELDS = (
     "decode_tokens_per_s",
     "unprefilled_tokens_by_rank",
     "decode_tokens_by_rank",
+    "num_free_seqs",
 )
 
 
@@ -443,10 +444,10 @@ class RedisBackend:
     async def work_ahead(
         self, tier: str, tenant_id: str, weight: float, num_prompt_tokens: int = 0
     ) -> WorkAhead:
-        prefill, decode = await self._run(
+        prefill, decode, num_jobs = await self._run(
             "work_ahead", tier, tenant_id, repr(float(weight)), int(num_prompt_tokens)
         )
-        return WorkAhead(float(prefill), float(decode))
+        return WorkAhead(float(prefill), float(decode), int(num_jobs))
 
     async def publish_capacity(
         self,
@@ -457,6 +458,7 @@ class RedisBackend:
         ttl_ms: int,
         unprefilled_tokens_by_rank: Mapping[int, int] | None = None,
         decode_tokens_by_rank: Mapping[int, int] | None = None,
+        num_free_seqs: int = 0,
         **details: float | None,
     ) -> None:
         k = self._keys
@@ -472,6 +474,7 @@ class RedisBackend:
                         # Whole per-rank maps as JSON: read back only by fleet_capacity.
                         "unprefilled_tokens_by_rank": _rank_json(unprefilled_tokens_by_rank),
                         "decode_tokens_by_rank": _rank_json(decode_tokens_by_rank),
+                        "num_free_seqs": max(0, int(num_free_seqs)),
                         "reported_at_ms": now_ms,
                         **{name: _optional(value) for name, value in shown.items()},
                     },
@@ -492,7 +495,7 @@ class RedisBackend:
                 reports = [r for r in await pipe.execute() if r[0] is not None]
         unprefilled: dict[int, int] = {}
         decode: dict[int, int] = {}
-        for _, _, unprefilled_json, decode_json in reports:
+        for _, _, unprefilled_json, decode_json, _ in reports:
             add_by_rank(unprefilled, _rank_map(unprefilled_json))
             add_by_rank(decode, _rank_map(decode_json))
         return FleetCapacity(
@@ -501,6 +504,8 @@ class RedisBackend:
             sum(float(r[1]) for r in reports),
             unprefilled,
             decode,
+            # An older worker's report has no free slots: its decodes always count.
+            sum(int(r[4] or 0) for r in reports),
         )
 
     async def worker_reports(self) -> list[WorkerReport]:
@@ -515,7 +520,7 @@ class RedisBackend:
                 rows = await pipe.execute()
         reports = []
         for worker_id, row in zip(workers, rows, strict=True):
-            prefill, decode, unprefilled_json, decode_json, at_ms, *detail_values = row
+            prefill, decode, unprefilled_json, decode_json, free, at_ms, *detail_values = row
             if prefill is None:  # the hash expired between the two reads
                 continue
             # A field a worker did not report (or an older worker) reads back empty.
@@ -532,6 +537,7 @@ class RedisBackend:
                     float(decode),
                     unprefilled_tokens_by_rank=_rank_map(unprefilled_json),
                     decode_tokens_by_rank=_rank_map(decode_json),
+                    num_free_seqs=int(free or 0),
                     **worker_details(**said),
                 )
             )
@@ -673,6 +679,7 @@ def _budget_arg(slo: SloBudget) -> str:
             slo.held_prefill_tokens,
             slo.held_decode_tokens,
             slo.decode_ahead_fraction,
+            slo.num_free_seqs,
         )
     )
 

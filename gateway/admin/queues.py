@@ -43,6 +43,9 @@ def worker_view(report: WorkerReport) -> dict:
         "decode_tokens_per_s": report.decode_tokens_per_s,
         "num_running": report.num_running,
         "num_waiting": report.num_waiting,
+        # Requests its engine would start at its next step: SLO admission counts the
+        # decodes ahead of a new request only when none is free.
+        "num_free_seqs": report.num_free_seqs,
         "kv_cache_usage": report.kv_cache_usage,
         "step_token_budget": report.step_token_budget,
         "num_preemptions": report.num_preemptions,
@@ -88,6 +91,7 @@ def queues_view(
             "live": capacity.num_workers,
             "prefill_tokens_per_s": capacity.prefill_tokens_per_s,
             "decode_tokens_per_s": capacity.decode_tokens_per_s,
+            "num_free_seqs": capacity.num_free_seqs,
             "data": [worker_view(report) for report in workers],
         },
         "totals": totals_view(totals or QueueTotals()),

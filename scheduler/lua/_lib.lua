@@ -189,10 +189,15 @@ local function work_ahead(tier, tenant, weight, num_prompt_tokens)
   local tiers = tier_policy()
   local my_rank = rank_of(tiers, tier)
   local prefill, decode = 0, 0
-  local depth = redis.call('HGETALL', K.depth)
-  for i = 1, #depth, 2 do
-    local name = depth[i]
+  -- Jobs queued per tier, with those this call queued and has not yet counted there.
+  local depth = {}
+  local stored = redis.call('HGETALL', K.depth)
+  for i = 1, #stored, 2 do depth[stored[i]] = tonumber(stored[i + 1]) end
+  for name, n in pairs(depth_pending or {}) do depth[name] = (depth[name] or 0) + n end
+  local num_jobs = depth[tier] or 0
+  for name, n in pairs(depth) do
     if name ~= tier and tier_less(name, rank_of(tiers, name), tier, my_rank) then
+      num_jobs = num_jobs + n
       for _, v in ipairs(redis.call('HVALS', K.qprefill .. name)) do prefill = prefill + tonumber(v) end
       for _, v in ipairs(redis.call('HVALS', K.qdecode .. name)) do decode = decode + tonumber(v) end
     end
@@ -213,16 +218,17 @@ local function work_ahead(tier, tenant, weight, num_prompt_tokens)
       decode = decode + tonumber(redis.call('HGET', K.qdecode .. tier, other) or '0') * take / q
     end
   end
-  return prefill, decode
+  return prefill, decode, num_jobs
 end
 
--- Predicted TTFT in ms of a new job with `prefill`, `decode` tokens queued ahead, as
--- SloBudget.predict_ms (scheduler/backend.py) computes it; `budget` is its fields:
--- ttft_slo_ms, prefill and decode tokens/s, held prefill and decode tokens, decode
--- fraction.
-local function slo_predict(budget, prefill, decode, num_prompt_tokens)
+-- Predicted TTFT in ms of a new job with `prefill`, `decode` tokens and `num_jobs` jobs
+-- queued ahead, as SloBudget.predict_ms (scheduler/backend.py) computes it; `budget` is
+-- its fields: ttft_slo_ms, prefill and decode tokens/s, held prefill and decode tokens,
+-- decode fraction, free sequence slots (absent from an older gateway: none).
+local function slo_predict(budget, prefill, decode, num_jobs, num_prompt_tokens)
   local num_prefill = prefill + budget[4] + num_prompt_tokens
   local num_decode = decode + budget[5]
+  if num_jobs < (budget[7] or 0) then num_decode = 0 end
   local decode_s = 0
   if num_decode ~= 0 and budget[3] > 0 then decode_s = budget[6] * num_decode / budget[3] end
   return 1000.0 * (num_prefill / budget[2] + decode_s)

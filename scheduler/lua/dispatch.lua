@@ -11,7 +11,8 @@
 --       14 gateway grace ms
 -- Returns: one string per leased job, in order: "<rank>|<resumed token csv>|<job JSON>"
 -- (fewer jobs than asked, or none, when the queue runs dry). One string per job,
--- because parsing reply elements was a large part of the client's cost.
+-- because parsing reply elements was a large part of the client's cost. The leased jobs
+-- come off the free sequence slots of the worker's capacity report.
 local now, worker, lease_ms = tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
 local in_w, out_w = tonumber(ARGV[5]), tonumber(ARGV[6])
 local bucket_ms, num_buckets = tonumber(ARGV[7]), tonumber(ARGV[8])
@@ -125,4 +126,12 @@ for _ = 1, tonumber(ARGV[13]) do
 end
 for tier, counter in pairs(floors) do redis.call('HSET', K.floor, tier, counter) end
 for key, tokens in pairs(share_pending) do redis.call('HINCRBY', key, current, tokens) end
+-- The jobs take sequence slots the worker last reported free: admission stops counting
+-- them before its next report (its hash is left alone once it has lapsed).
+if #leased > 0 then
+  local free = tonumber(redis.call('HGET', K.cap .. worker, 'num_free_seqs') or '0')
+  if free > 0 then
+    redis.call('HSET', K.cap .. worker, 'num_free_seqs', math.max(0, free - #leased))
+  end
+end
 return leased

@@ -9,7 +9,8 @@
 --       now on), prompt tokens, max_tokens, deadline ms or '', expire-at ms or '', tenant
 --       (last, so it may hold any character)
 --       The SLO budget is SloBudget's fields, space-separated: ttft_slo_ms, prefill and
---       decode tokens/s, held prefill and decode tokens, decode fraction. With it, each
+--       decode tokens/s, held prefill and decode tokens, decode fraction, free sequence
+--       slots (optional). With it, each
 --       job's TTFT is predicted from the work queued ahead of it (work_ahead) and the job
 --       refused when the prediction exceeds the SLO (or its own prefill, if longer).
 -- Returns: the jobs' outcomes in order, space-separated, each 'ok', 'unknown_tier',
@@ -39,8 +40,8 @@ local function enqueue_one(id, json, fields)
   if not p then return 'unknown_tier' end
   local ok = 'ok'
   if budget then
-    local prefill, decode = work_ahead(tier, tenant, tonumber(weight), tonumber(pin))
-    local predicted = slo_predict(budget, prefill, decode, tonumber(pin))
+    local prefill, decode, num_jobs = work_ahead(tier, tenant, tonumber(weight), tonumber(pin))
+    local predicted = slo_predict(budget, prefill, decode, num_jobs, tonumber(pin))
     -- SloBudget.limit_ms: the SLO, or the job's own prefill if that alone exceeds it.
     local limit = math.max(budget[1], 1000.0 * tonumber(pin) / budget[2])
     if predicted > limit then return 'slo:' .. fmt(predicted) end

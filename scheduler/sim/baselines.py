@@ -25,9 +25,10 @@ class FleetQueue(Protocol):
     def push(self, job: Job, now_s: float) -> None:
         """Queue an admitted job (may raise the backend's QueueFullError)."""
 
-    def pop(self, now_s: float) -> Job | None:
-        """The next job for a worker with room (its prompt tokens are charged), or None.
-        Jobs queued past their max_queue_ms are dropped instead (see take_dropped)."""
+    def pop(self, now_s: float, worker_id: str) -> Job | None:
+        """The next job for worker `worker_id`, which has room (its prompt tokens are
+        charged), or None. Jobs queued past their max_queue_ms are dropped instead (see
+        take_dropped)."""
 
     def charge(self, job: Job, num_output_tokens: int, now_s: float) -> None:
         """The engine generated tokens for this job (fair-share accounting)."""
@@ -82,7 +83,7 @@ class FcfsQueue:
         heapq.heappush(self._heap, (self._key(job), next(self._order), job))
         self._tenants.add(job.tenant_id)
 
-    def pop(self, now_s: float) -> Job | None:
+    def pop(self, now_s: float, worker_id: str) -> Job | None:
         while self._heap:
             job = heapq.heappop(self._heap)[2]
             self._tenants.remove(job.tenant_id)
@@ -161,7 +162,7 @@ class VtcQueue:
         queue.append(job)
         self._num_jobs += 1
 
-    def pop(self, now_s: float) -> Job | None:
+    def pop(self, now_s: float, worker_id: str) -> Job | None:
         while self._min_backlogged() is not None:
             _, tenant = self._heap[0]
             queue = self._queues[tenant]

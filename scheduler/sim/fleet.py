@@ -272,12 +272,14 @@ class _Fleet:
     def sample(self, now_s: float) -> None:
         if isinstance(self.queue, TieredQueue):
             for engine in self.engines:
+                num_seqs, num_tokens = engine.newcomer_room()
                 self.queue.publish_capacity(
                     engine.engine_id,
                     engine.prefill_tokens_per_s or DEFAULT_PREFILL_TOKENS_PER_S,
                     engine.decode_tokens_per_s or DEFAULT_DECODE_TOKENS_PER_S,
                     self.capacity_ttl_ms,
                     engine.scheduler.backlog(),
+                    num_seqs if num_tokens > 0 else 0,
                 )
         self.take_drops(now_s)
         served = self.served
@@ -337,7 +339,7 @@ class _Fleet:
         queue = self.queue
         num_seqs, num_tokens = engine.newcomer_room()
         while len(queue) and ((num_seqs > 0 and num_tokens > 0) or engine.can_accept()):
-            job = queue.pop(now_s)
+            job = queue.pop(now_s, engine.engine_id)
             if job is None:
                 break
             record = self.queued.pop(job.job_id)

@@ -79,8 +79,8 @@ class TieredQueue:
                 del self._backlog[job.tenant_id]
         return job
 
-    def pop(self, now_s: float) -> Job | None:
-        job = run_now(self.backend.dispatch("sim", _LEASE_MS))
+    def pop(self, now_s: float, worker_id: str) -> Job | None:
+        job = run_now(self.backend.dispatch(worker_id, _LEASE_MS))
         if job is not None:
             self._forget(job.job_id)
         return job
@@ -137,9 +137,10 @@ class TieredQueue:
         decode_tokens_per_s: float,
         ttl_ms: int,
         backlog: RankBacklog | None = None,
+        num_free_seqs: int = 0,
     ) -> None:
-        """A simulated worker's measured rates and its engine's backlog per rank, as its
-        dispatcher publishes them."""
+        """A simulated worker's measured rates, its engine's backlog per rank and the
+        requests it would start at its next step, as its dispatcher publishes them."""
         backlog = backlog or RankBacklog()
         run_now(
             self.backend.publish_capacity(
@@ -149,5 +150,6 @@ class TieredQueue:
                 ttl_ms=ttl_ms,
                 unprefilled_tokens_by_rank=backlog.unprefilled_tokens_by_rank,
                 decode_tokens_by_rank=backlog.decode_tokens_by_rank,
+                num_free_seqs=num_free_seqs,
             )
         )

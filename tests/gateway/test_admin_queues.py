@@ -9,6 +9,7 @@ import time
 import httpx
 import openai
 
+from engine.config import EngineConfig
 from tests.gateway.conftest import LiveServer
 
 WORKER_FIELDS = {
@@ -18,6 +19,7 @@ WORKER_FIELDS = {
     "decode_tokens_per_s",
     "num_running",
     "num_waiting",
+    "num_free_seqs",
     "kv_cache_usage",
     "step_token_budget",
     "num_preemptions",
@@ -44,6 +46,8 @@ def test_queues_list_the_worker_of_an_idle_server(live_server: LiveServer) -> No
     # The list and the fleet totals come from the same reports.
     assert worker["prefill_tokens_per_s"] == workers["prefill_tokens_per_s"] > 0
     assert worker["decode_tokens_per_s"] == workers["decode_tokens_per_s"] > 0
+    # Idle: every sequence slot is free, and admission knows it.
+    assert worker["num_free_seqs"] == workers["num_free_seqs"] == EngineConfig().max_num_seqs
     # Reported every second; a report this old would have lapsed (5 s) already.
     assert 0 <= worker["heartbeat_age_ms"] < 5_000
     assert 0.0 <= worker["kv_cache_usage"] <= 1.0

@@ -103,6 +103,75 @@ async def test_engine_backlog_refuses_what_the_queue_alone_would_admit(backend, 
     assert predicted == pytest.approx(200.0 + 500.0 + 80.0, abs=1)
 
 
+def test_decode_ahead_counts_only_once_no_sequence_slot_is_left() -> None:
+    capacity = FleetCapacity(
+        1,
+        prefill_tokens_per_s=1_000.0,
+        decode_tokens_per_s=100.0,
+        decode_tokens_by_rank={1: 4_000},
+        num_free_seqs=2,
+    )
+    config = AdmissionConfig()
+    # Two slots free, one job queued ahead: both start at once; only prefill is ahead.
+    one_ahead = WorkAhead(num_prefill_tokens=100.0, num_decode_tokens=50.0, num_jobs=1)
+    assert predict_ttft_ms(one_ahead, 100, capacity, config, rank=1) == pytest.approx(200.0)
+    # Two queued ahead take both slots: the job waits for decodes, queued and held.
+    two_ahead = WorkAhead(num_prefill_tokens=100.0, num_decode_tokens=50.0, num_jobs=2)
+    expected = 200.0 + 1000.0 * 0.5 * (50 + 4_000) / 100.0
+    assert predict_ttft_ms(two_ahead, 100, capacity, config, rank=1) == pytest.approx(expected)
+    full = FleetCapacity(1, 1_000.0, 100.0, decode_tokens_by_rank={1: 4_000})
+    assert predict_ttft_ms(one_ahead, 100, full, config, rank=1) == pytest.approx(
+        200.0 + 1000.0 * 0.5 * 4_050 / 100.0
+    )
+
+
+async def test_a_long_generation_leaves_free_slots_to_admit_into(backend, make_job) -> None:
+    # One request generates thousands of tokens on an engine with slots to spare. Its
+    # decode used to count as work ahead of everyone, and an idle fleet refused every
+    # request of an SLO tier until it ended.
+    await backend.configure_tiers([PRIORITY, INTERACTIVE, BATCH])
+
+    async def report(num_free_seqs: int) -> None:
+        await backend.publish_capacity(
+            "w1",
+            prefill_tokens_per_s=1_000.0,
+            decode_tokens_per_s=100.0,
+            ttl_ms=60_000,
+            decode_tokens_by_rank={1: 4_000},
+            num_free_seqs=num_free_seqs,
+        )
+
+    await report(2)
+    # A worker that does not report free slots (an older version) adds none.
+    await backend.publish_capacity(
+        "w2", prefill_tokens_per_s=1_000.0, decode_tokens_per_s=100.0, ttl_ms=60_000
+    )
+    assert (await backend.fleet_capacity()).num_free_seqs == 2
+    first = make_job("me", "interactive", num_prompt_tokens=100)
+    assert await admit(backend, first, INTERACTIVE) == pytest.approx(50.0, abs=1)
+    # The second finds the first queued ahead and a slot left for itself.
+    second = make_job("you", "interactive", num_prompt_tokens=100)
+    assert await admit(backend, second, INTERACTIVE) == pytest.approx(100.0, abs=1)
+    # The third finds none left: the 4,000 held and 32 queued decode tokens count.
+    third = make_job("me", "interactive", num_prompt_tokens=100)
+    with pytest.raises(SloUnattainableError) as refused:
+        await admit(backend, third, INTERACTIVE)
+    assert refused.value.predicted_ttft_ms == pytest.approx(
+        (100 + 100 + 100) / 2.0 + 1000.0 * 0.5 * (4_000 + 32) / 200.0, abs=1
+    )
+    # Leasing the two jobs takes the slots they were admitted into, before the worker's
+    # next report: with the queue empty again, nothing is free to start at once.
+    assert len(await backend.dispatch_many("w1", 10_000, 2)) == 2
+    assert (await backend.fleet_capacity()).num_free_seqs == 0
+    with pytest.raises(SloUnattainableError):
+        await admit(backend, third, INTERACTIVE)
+    # Its next report frees a slot again (one of them ended).
+    await report(1)
+    assert await admit(backend, third, INTERACTIVE) == pytest.approx(50.0, abs=1)
+    [w1, w2] = await backend.worker_reports()
+    assert (w1.num_free_seqs, w2.num_free_seqs) == (1, 0)
+
+
 async def test_slo_unattainable_then_feasible_after_retry_after(backend, make_job) -> None:
     await backend.configure_tiers([PRIORITY, BATCH])
     await backend.publish_capacity(

@@ -107,6 +107,8 @@ async def test_dispatcher_publishes_its_engines_backlog(engine) -> None:
     dispatcher = Dispatcher(backend, engine, worker_id="w1", config=config)
     jobs = JobClient(backend, on_enqueue=dispatcher.notify)
     dispatcher.start()
+    await dispatcher.publish_capacity()
+    assert (await backend.fleet_capacity()).num_free_seqs == 1  # its one slot is free
     job = Job(
         job_id="long",
         tenant_id="t",
@@ -130,6 +132,7 @@ async def test_dispatcher_publishes_its_engines_backlog(engine) -> None:
         assert queued is None or queued.num_jobs == 0
         assert 0 < fleet.decode_tokens_by_rank[2] < 120
         assert set(fleet.decode_tokens_by_rank) == {2}
+        assert fleet.num_free_seqs == 0
         assert await jobs.cancel("long")
         for _ in range(250):  # the engine thread publishes stats after its next step
             stats = engine.stats()
@@ -140,6 +143,7 @@ async def test_dispatcher_publishes_its_engines_backlog(engine) -> None:
         fleet = await backend.fleet_capacity()
         assert dict(fleet.decode_tokens_by_rank) == {}
         assert dict(fleet.unprefilled_tokens_by_rank) == {}
+        assert fleet.num_free_seqs == 1
     finally:
         await dispatcher.aclose(0)
         await jobs.aclose()

@@ -34,7 +34,7 @@ def _job(
 
 def _drain(queue, now_s: float = 0.0) -> list[str]:
     out = []
-    while (job := queue.pop(now_s)) is not None:
+    while (job := queue.pop(now_s, "w")) is not None:
         out.append(job.job_id)
     return out
 
@@ -61,7 +61,7 @@ def test_queue_timeouts_are_dropped_and_reported() -> None:
     queue = FcfsQueue()
     queue.push(_job("old", "x", arrival_s=0, max_queue_ms=1000), 0)
     queue.push(_job("new", "x", arrival_s=5, max_queue_ms=1000), 5)
-    assert queue.pop(5.5).job_id == "new"
+    assert queue.pop(5.5, "w").job_id == "new"
     assert queue.take_dropped(5.5) == ["old"]
     assert queue.take_dropped(5.5) == []
 
@@ -71,11 +71,11 @@ def test_vtc_shares_by_weight_and_charges_prompts_at_dispatch() -> None:
     for i in range(30):
         queue.push(_job(f"a{i}", "a", weight=1.0), 0)
         queue.push(_job(f"b{i}", "b", weight=3.0), 0)
-    first = [queue.pop(0).tenant_id for _ in range(20)]
+    first = [queue.pop(0, "w").tenant_id for _ in range(20)]
     # Equal prompts, weight 3 vs 1: b gets three dispatches for each of a's.
     assert first.count("b") == 15
     assert queue.counter("a") == pytest.approx(queue.counter("b"), abs=10)
-    job = queue.pop(0)
+    job = queue.pop(0, "w")
     before = queue.counter(job.tenant_id)
     queue.charge(job, 5, 0)
     assert queue.counter(job.tenant_id) == pytest.approx(before + 2 * 5 / job.weight)
@@ -86,10 +86,10 @@ def test_vtc_lifts_a_returning_tenant_so_idling_banks_no_credit() -> None:
     for i in range(50):
         queue.push(_job(f"a{i}", "a"), 0)
     for _ in range(40):
-        queue.pop(0)
+        queue.pop(0, "w")
     assert queue.counter("a") == pytest.approx(400)
     for i in range(20):
         queue.push(_job(f"c{i}", "c"), 0)  # c was idle: lifted to a's counter
     assert queue.counter("c") == pytest.approx(400)
-    order = [queue.pop(0).tenant_id for _ in range(10)]
+    order = [queue.pop(0, "w").tenant_id for _ in range(10)]
     assert order.count("c") == 5  # alternates instead of c monopolising the queue

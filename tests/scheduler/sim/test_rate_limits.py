@@ -3,11 +3,13 @@ in front of every policy, with the gateway's refusal codes."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from gateway.admission import RATE_LIMIT_CODES
 from scheduler.rate_limit import TenantLimits
-from scheduler.sim.cost_model import load_preset
+from scheduler.sim.cost_model import RooflineParams, load_preset
 from scheduler.sim.fleet import POLICIES, FleetSpec, SimOptions, simulate
 from scheduler.sim.rate_limits import LIMIT_CODES
 from scheduler.sim.workload import (
@@ -35,9 +37,11 @@ def _spec(limits: TenantLimits, rate_per_s: float, duration_s: float = 30) -> Wo
     return WorkloadSpec((tier,), tenants, rate_per_s, duration_s, seed=3)
 
 
-def _refusals(spec: WorkloadSpec, policy: str, **options) -> dict[str, dict[str, int]]:
+def _refusals(
+    spec: WorkloadSpec, policy: str, params: RooflineParams = H200, **options
+) -> dict[str, dict[str, int]]:
     """Refusal codes per tenant, with the tenant's offered count under "offered"."""
-    result = simulate(spec, policy, FleetSpec(H200, 1), SimOptions(keep_records=True, **options))
+    result = simulate(spec, policy, FleetSpec(params, 1), SimOptions(keep_records=True, **options))
     out: dict[str, dict[str, int]] = {}
     for record in result.collector.records:
         by_code = out.setdefault(record.request.tenant_id, {"offered": 0})
@@ -96,9 +100,10 @@ def test_finished_requests_free_their_slot_and_limits_can_be_switched_off() -> N
 
 
 def test_a_refused_request_gives_back_its_reservation() -> None:
-    # A TTFT SLO below a request's own prefill, behind a better rank's steady work: SLO
-    # admission refuses every request that has work ahead of it, after the limiter
-    # admitted it. With the reservation handed back, the cap of one never bites.
+    # A TTFT SLO below a request's own prefill, behind a better rank's steady work that
+    # fills every sequence slot: SLO admission refuses every request that has work ahead
+    # of it, after the limiter admitted it. With the reservation handed back, the cap of
+    # one never bites.
     tight = TierSpec("t", 1, ttft_slo_ms=0.001, limits=TenantLimits(max_concurrency=1), **SHORT)
     ahead = TierSpec(
         "ahead",
@@ -108,7 +113,7 @@ def test_a_refused_request_gives_back_its_reservation() -> None:
     )
     tenants = (TenantSpec("a", "t", load_share=0.1), TenantSpec("b", "ahead", load_share=0.9))
     spec = WorkloadSpec((tight, ahead), tenants, 50, 20, seed=2)
-    refused = _refusals(spec, "tiered")["a"]
+    refused = _refusals(spec, "tiered", replace(H200, max_num_seqs=32))["a"]
     assert refused["offered"] > 50
     # Refused by SLO but for the few that found nothing ahead (served at best effort,
     # holding the slot while they ran). A reservation kept by a refused request would
