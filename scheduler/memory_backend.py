@@ -622,7 +622,12 @@ class MemoryBackend:
 
     def _take_free_seq(self, worker_id: str) -> None:
         """A job leased to the worker takes one of the sequence slots it last reported
-        free (as dispatch.lua does): admission stops counting it before the next report."""
+        free (as dispatch.lua does): admission stops counting it before the next report.
+
+        The job's tokens are not moved to the worker's held work the same way: counted
+        there until the next report, those of jobs that finished meanwhile counted too,
+        and the simulator's report refused about 50 more latency requests at 1.5x load
+        to spare 7 SLO misses (its refusals on batch fell from 99% to 77%)."""
         live = self._workers.get(worker_id)
         if live is not None and live[1].num_free_seqs > 0:
             until_ms, report = live
