@@ -313,6 +313,12 @@ class UsageWriter:
         self.num_written = 0
         self.num_dropped = 0
 
+    def count_written_elsewhere(self, num_records: int = 1) -> None:
+        """Count records written in another transaction (a Batch API line's, with its
+        result: write_usage_with) with this writer's, so the written-records metric
+        covers every record this gateway stored."""
+        self.num_written += num_records
+
     @property
     def num_pending(self) -> int:
         """Records not yet written (buffered or being written)."""

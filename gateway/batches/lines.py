@@ -180,6 +180,7 @@ class LineRunner:
         """Count a line whose result (and usage record) is stored in the metrics and the
         dashboard, like a live request of its tier (batch work shows next to what it
         shares with)."""
+        self._routes.deps.usage.count_written_elsewhere()
         telemetry = self._routes.deps.telemetry
         if telemetry is not None:
             telemetry.request_finished(record)

@@ -286,7 +286,10 @@ def test_batch_lines_are_counted_at_their_tier(live_server: LiveServer) -> None:
 
     tenant = live_server.tenant_ids["batch"]
     client = live_server.client(live_server.keys["batch"])
-    before = scrape(live_server)
+    deadline = time.monotonic() + 30  # earlier tests' usage records are written first
+    while value(before := scrape(live_server), "tiergate_usage_records_pending"):
+        assert time.monotonic() < deadline, "usage records stay pending"
+        time.sleep(0.1)
     line = {
         "method": "POST",
         "url": "/v1/completions",
@@ -308,6 +311,9 @@ def test_batch_lines_are_counted_at_their_tier(live_server: LiveServer) -> None:
         - value(before, "tiergate_requests_total", **ok)
         == 3
     )
+    # Their usage records, written with their results, count as written.
+    written = "tiergate_usage_records_written_total"
+    assert value(after, written) - value(before, written) == 3
 
 
 def test_dashboard_tenants_count_what_the_usage_report_counts() -> None:
