@@ -1,26 +1,35 @@
 """Optional Triton: the package imports (and the references run) without it.
 
-`jit` is `triton.jit` when Triton is installed and the identity otherwise, so each op
-module can define its `_<op>_kernel` at import time either way. `launchable` hands a
-launcher the kernel to call for a device: the compiled kernel for GPU tensors, and the
-same kernel under Triton's interpreter for CPU tensors, which is how the kernels are
-tested on machines without a GPU whatever TRITON_INTERPRET said when they were defined.
+Triton is imported only where a kernel can run: on a machine with a CUDA device, or with
+Triton's interpreter switched on (TRITON_INTERPRET=1, how the kernels are tested without
+a GPU). Elsewhere the engine runs the references and Triton would only cost start-up
+time and, at every exit, a page of nanobind "leaked instances" warnings on stderr.
+
+`jit` is `triton.jit` when Triton is imported and the identity otherwise, so each op
+module can define its `_<op>_kernel` at import time either way (the op modules' postponed
+annotations keep `tl.constexpr` unevaluated). `launchable` hands a launcher the kernel to
+call for a device: the compiled kernel for GPU tensors, and the same kernel under
+Triton's interpreter for CPU tensors, which is how the kernels are tested on machines
+without a GPU whatever TRITON_INTERPRET said when they were defined.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the references still work; the launchers refuse to run
-    triton = None
-    tl = None
+triton: Any = None
+tl: Any = None
+if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:  # the references still work; the launchers refuse to run
+        pass
 
 __all__ = ["jit", "launchable", "next_power_of_2", "require_triton", "tl", "triton"]
 
@@ -33,9 +42,12 @@ def jit(fn: Callable[..., Any]) -> Any:
 
 
 def require_triton(op: str) -> None:
-    """Raise RuntimeError naming `op` when Triton is not installed."""
+    """Raise RuntimeError naming `op` when Triton is not imported."""
     if triton is None:
-        raise RuntimeError(f"{op} needs triton; install it or call {op}_ref")
+        raise RuntimeError(
+            f"{op} needs triton and a CUDA device (or TRITON_INTERPRET=1 before the first"
+            f" import of kernels); or call {op}_ref"
+        )
 
 
 def launchable(kernel: Any, device: torch.device) -> Any:

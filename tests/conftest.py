@@ -20,6 +20,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+import torch
+
+# Without a GPU the Triton kernels are tested under Triton's interpreter, and
+# kernels/_triton.py imports Triton only with it switched on: before the first import of
+# the kernels, which any test module may make.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 POSTGRES_URL = os.environ.get(
     "TIERGATE_TEST_POSTGRES_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test"

@@ -13,7 +13,6 @@ from torch import nn
 
 from engine.models.arch import ModelArch
 from engine.models.attention import AttentionMetadata, AttentionOps, paged_attention
-from engine.models.rope import cos_sin_cache
 
 
 class DecoderLayer(nn.Module):
@@ -73,7 +72,15 @@ class DecoderLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.ops = ops
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        # Built uninitialised (the weights are loaded over it): nn.Embedding's own
+        # normal_ init, on the meta device build_model uses, imports torch._dynamo, and
+        # with it Triton, which on a machine without a GPU then prints a page of
+        # nanobind leak warnings at every exit (kernels/_triton.py).
+        self.embed_tokens = nn.Embedding(
+            arch.vocab_size,
+            arch.hidden_size,
+            _weight=torch.empty(arch.vocab_size, arch.hidden_size),
+        )
         self.layers = nn.ModuleList(DecoderLayer(arch, ops) for _ in range(arch.num_layers))
         self.norm = nn.Parameter(torch.ones(arch.hidden_size))
         self.lm_head = (
@@ -81,10 +88,10 @@ class DecoderLM(nn.Module):
             if arch.tie_word_embeddings
             else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         )
-        # fp32 whatever the weights' dtype: the rotary kernels expect it.
-        self.register_buffer(
-            "cos_sin", cos_sin_cache(arch.rope, arch.head_dim, max_positions), persistent=False
-        )
+        # The rotary table, fp32 whatever the weights' dtype (the rotary kernels expect
+        # it): computed by build_model on the model's device, not here on the meta
+        # device, where the ops would import torch._dynamo (see embed_tokens).
+        self.register_buffer("cos_sin", torch.empty(max_positions, arch.head_dim), persistent=False)
 
     def forward(
         self,

@@ -1,20 +1,17 @@
 """Fixtures for the kernel tests: paged KV caches built from known dense K/V.
 
 Without a GPU the Triton kernels run under Triton's interpreter, which must be switched on
-before triton is imported; that happens here, for this directory only.
+before triton is imported; tests/conftest.py does it, before any test module imports the
+kernels.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _NEEDS_CUDA = [
     pytest.mark.cuda,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -64,3 +65,25 @@ def test_without_triton_kernels_import_and_resolve_to_references():
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=False
     )
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the engine uses Triton")
+def test_a_cpu_engine_leaves_triton_unimported():
+    # Imported where no kernel can run, Triton printed a page of nanobind "leaked
+    # instances" warnings at every exit of `tiergate serve`.
+    code = (
+        "import sys\n"
+        "from engine.llm import LLM\n"
+        "from engine.sampling import SamplingParams\n"
+        "llm = LLM('tiny-random', device='cpu', max_model_len=64)\n"
+        "[out] = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))\n"
+        "assert out.num_output_tokens == 3, out\n"
+        "assert 'triton' not in sys.modules, 'triton was imported'\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    assert "nanobind" not in result.stderr
