@@ -20,12 +20,13 @@ max_tokens and, with continuous batching, a job starts once those ahead have bee
 admitted to the batch, not finished. It counts only when the job must wait for a
 sequence slot: workers report how many requests their engines would start at the next
 step, and while more are free than jobs are queued ahead, a new job joins the running
-batch without waiting for any decode to end. If the prediction exceeds the SLO the job is refused
-with the time after which the same request would fit (`retry_after_ms`). A job whose own
-prefill alone exceeds the SLO can never fit: it is admitted once nothing is ahead of it
-(best effort) and otherwise refused with the time the work ahead needs to drain
-(SloBudget.limit_ms), so that honouring the Retry-After gets it served. Tiers without a
-TTFT SLO (batch) are bounded only by the queue caps enforced in enqueue (QueueFullError).
+batch without waiting for any decode to end. If the prediction exceeds the SLO the job is
+refused with the time after which the same request would fit (`retry_after_ms`). A job
+whose own prefill alone exceeds the SLO can never fit: it is admitted once nothing is
+ahead of it (best effort) and otherwise refused with the time the work ahead needs to
+drain (SloBudget.limit_ms), so that honouring the Retry-After gets it served. Tiers
+without a TTFT SLO (batch) are bounded only by the queue caps enforced in enqueue
+(QueueFullError).
 
 The queue makes the check itself, in the step that enqueues (`admit`, QueueBackend.enqueue
 with an SloBudget): gateways admitting at the same moment each see the work the others
