@@ -39,6 +39,7 @@ from gateway.config_sync import (
     SyncedTierCatalog,
 )
 from gateway.db.session import create_db_engine, create_sessionmaker
+from gateway.engine_setup import build_engine
 from gateway.errors import (
     ErrorKind,
     GatewayError,
@@ -77,22 +78,6 @@ class MethodNotAllowedError(GatewayError):
 
 
 register_error(MethodNotAllowedError, ErrorKind(405, "invalid_request_error", "method_not_allowed"))
-
-
-def build_engine(settings: Settings) -> EngineLike:
-    """The in-process engine the settings describe (loads the model)."""
-    from engine.async_engine import AsyncEngine
-    from engine.config import EngineConfig
-
-    extra = {} if settings.max_num_seqs is None else {"max_num_seqs": settings.max_num_seqs}
-    config = EngineConfig(
-        model=settings.model,
-        device=settings.device,
-        kv_cache_bytes=settings.kv_cache_bytes,
-        max_model_len=settings.max_model_len,
-        **extra,
-    )
-    return AsyncEngine(config)
 
 
 class _DeferredRoutes:

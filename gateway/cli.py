@@ -330,7 +330,7 @@ def _load_engine(settings: Settings) -> EngineLike:
     import torch
 
     from engine.errors import EngineError
-    from gateway.app import build_engine
+    from gateway.engine_setup import build_engine
 
     try:
         return build_engine(settings)

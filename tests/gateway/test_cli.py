@@ -297,3 +297,55 @@ def test_demo_banner_prints_only_a_generated_admin_token(tmp_path: Path) -> None
     assert "TIERGATE_ADMIN_TOKEN (not printed)" in chosen
     generated = _demo_banner(settings, [], generated_token=True)
     assert "operator-chosen-secret-123" in generated
+
+
+def test_a_worker_starts_and_drains_without_noise() -> None:
+    """`tiergate worker` on a CPU: it reports to the queue, and on SIGTERM drains and exits
+    0. Its output holds none of the lines that used to open and close every worker's log:
+    alembic's set-up (the worker has no database) and Triton's nanobind leak report."""
+    import signal
+    import uuid
+
+    import redis
+
+    from scheduler.keys import KeySpace
+    from tests.conftest import REDIS_URL
+
+    prefix = f"{{cli-worker-{uuid.uuid4().hex[:8]}}}:"
+    keys = KeySpace(prefix)
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("TIERGATE_", "TRITON_"))},
+        "TIERGATE_REDIS_URL": REDIS_URL,
+        "TIERGATE_REDIS_PREFIX": prefix,
+        "TIERGATE_DEVICE": "cpu",
+        "TIERGATE_KV_CACHE_BYTES": str(16 * 2**20),
+    }
+    store = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "worker", "--worker-id", "quiet"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not store.zscore(keys.workers, "quiet"):
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "the worker never reported"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        names = list(store.scan_iter(match=keys.pattern()))
+        if names:
+            store.delete(*names)
+        store.close()
+    assert proc.returncode == 0, output[-3000:]
+    assert "is draining" in output
+    for noise in ("alembic", "nanobind", "Traceback"):
+        assert noise not in output, output[-3000:]
