@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -89,7 +90,10 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._stats = engine.stats()
         self._stats_at_s = time.monotonic()
-        self._accepts: dict[int | None, bool] = {None: engine.can_accept()}
+        # What the latest step left, read by can_accept and newcomer_room from any thread
+        # (LLMEngine's own answers are the loop thread's alone).
+        self._accepts_any = engine.can_accept()
+        self._displacing_below = engine.scheduler.displacing_rank_bound()
         self._room = engine.newcomer_room()
         # Items for each event loop that were handed off but that it has not taken yet.
         self._handoffs: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, _Item]]] = {}
@@ -126,16 +130,19 @@ class AsyncEngine:
         if self._dead is not None:
             return False
         pending = self._pending_adds()
+        # A rank the engine holds no request of is answered too (StepScheduler's
+        # displacing_rank_bound): a dispatcher asks for the best rank queued, and an
+        # answer kept only for the ranks running or waiting said no to a better one, so
+        # a full engine never took the request that would have preempted its batch work.
+        displaces = rank is not None and rank < self._displacing_below
         if not pending:
-            return self._accepts.get(rank, self._accepts[None])
+            return self._accepts_any or displaces
         num_seqs, num_tokens = self._room_left(pending)
         if num_seqs > 0 and num_tokens > 0:
             return True
         # No room for plain newcomers: one of `rank` may still preempt worse work, unless
         # a pending add of its rank or better would be first in line.
-        if rank is None or any(c.priority is None or c.priority.rank <= rank for c in pending):
-            return False
-        return self._accepts.get(rank, self._accepts[None])
+        return displaces and not any(c.priority is None or c.priority.rank <= rank for c in pending)
 
     def newcomer_room(self) -> tuple[int, int]:
         """(requests, prompt tokens) the engine would still take as newcomers: the room
@@ -291,6 +298,7 @@ class AsyncEngine:
                     if self._is_stopping:
                         return
                     commands, self._commands = self._commands, []
+                    self._took(commands)
                 for command in commands:
                     self._apply(command)
                 outputs = self._engine.step()
@@ -394,18 +402,29 @@ class AsyncEngine:
         with self._lock:
             return self._streams.pop(request_id, None)
 
+    def _took(self, commands: list[_Add | _Abort]) -> None:
+        """Under the lock, as the loop thread takes `commands`: the adds among them leave
+        the pending list but will not show in the room until the step after them ends.
+        Counted against the room now, or a dispatcher asking meanwhile saw the whole room
+        free again and leased a second step's worth of jobs, which waited in this engine
+        while another worker had slots free."""
+        adds = [c for c in commands if isinstance(c, _Add)]
+        if not adds:
+            return
+        self._room = self._room_left(adds)
+        self._accepts_any = self._accepts_any and min(self._room) > 0
+        # They wait in the engine now: nothing of a worse rank displaces them.
+        best = min(-math.inf if c.priority is None else c.priority.rank for c in adds)
+        self._displacing_below = min(self._displacing_below, best)
+
     def _snapshot(self, *, force: bool = False) -> None:
         engine = self._engine
         now_s = time.monotonic()
         if force or now_s - self._stats_at_s >= STATS_EVERY_S or not engine.has_unfinished():
             self._stats = engine.stats()
             self._stats_at_s = now_s
-        ranks = {r.priority.rank for r in engine.scheduler.running}
-        ranks |= {r.priority.rank for r in engine.scheduler.waiting}
-        accepts: dict[int | None, bool] = {None: engine.can_accept()}
-        for rank in ranks:
-            accepts[rank] = engine.can_accept(rank)
-        self._accepts = accepts
+        self._accepts_any = engine.can_accept()
+        self._displacing_below = engine.scheduler.displacing_rank_bound()
         self._room = engine.newcomer_room()
 
     def _die(self, error: EngineDeadError) -> None:

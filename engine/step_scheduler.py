@@ -24,6 +24,7 @@ Pure Python; the engine runs the plan and reports back through `finish`/`abort`.
 from __future__ import annotations
 
 import bisect
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -249,9 +250,18 @@ class StepScheduler:
         )
         if has_room and not any(r.status is RequestStatus.WAITING for r in self._waiting):
             return True
-        if rank is None or any(r.priority.rank <= rank for r in self._waiting):
-            return False
-        return any(r.priority.preemptible and r.priority.rank > rank for r in self._running)
+        return rank is not None and rank < self.displacing_rank_bound()
+
+    def displacing_rank_bound(self) -> float:
+        """The ranks below this one may displace running work now (can_accept(rank) is
+        true for them whether or not there is room): running preemptible work of a worse
+        rank exists and nothing of their rank or better waits. One number for every rank,
+        so a caller may answer for a rank the engine has never seen."""
+        worst_preemptible = max(
+            (r.priority.rank for r in self._running if r.priority.preemptible), default=-math.inf
+        )
+        best_waiting = min((r.priority.rank for r in self._waiting), default=math.inf)
+        return min(worst_preemptible, best_waiting)
 
     def newcomer_room(self) -> tuple[int, int]:
         """(requests, prompt tokens) the next step could start on if they arrived now: what

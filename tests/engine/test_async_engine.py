@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
 
@@ -166,6 +167,37 @@ async def test_pending_adds_count_against_the_room_the_last_step_left() -> None:
         for stream in streams:
             await stream.aclose()
     finally:
+        engine.shutdown()
+
+
+async def test_adds_the_loop_took_count_against_the_room_until_their_step_ends() -> None:
+    # Between the loop thread taking the adds and the end of the step that starts them,
+    # they were neither pending nor in the room the last step left: a dispatcher asking
+    # then saw every slot free and leased a second batch of jobs for this engine.
+    engine = AsyncEngine(EngineConfig(device="cpu", max_num_seqs=2, kv_cache_bytes=2**21))
+    real_step = engine._engine.step
+    stepping, release = threading.Event(), threading.Event()
+
+    def held_step():  # the real step, after the test has looked at the engine
+        stepping.set()
+        release.wait(30)
+        return real_step()
+
+    engine._engine.step = held_step
+    engine.start()
+    try:
+        streams = [engine.generate([5, 6, 7], GREEDY, request_id=f"r{i}") for i in range(2)]
+        tasks = [asyncio.create_task(anext(stream)) for stream in streams]
+        await asyncio.to_thread(stepping.wait, 30)  # the loop thread took both adds
+        assert not engine.can_accept(), "two adds taken fill the two slots"
+        assert engine.newcomer_room()[0] == 0
+        release.set()
+        for task in tasks:
+            assert (await task).new_token_ids
+        for stream in streams:
+            await stream.aclose()
+    finally:
+        release.set()
         engine.shutdown()
 
 

@@ -318,3 +318,33 @@ async def test_the_queue_wait_the_client_sees_is_the_time_before_the_lease(
         await jobs.aclose()
         await delete_keys(client, keys)
         await client.aclose()
+
+
+async def test_a_better_rank_job_preempts_batch_work_filling_the_engine(engine) -> None:
+    # The one slot runs preemptible batch work; a rank-0 job arrives. The dispatcher asks
+    # the full engine whether it takes rank 0, a rank it does not hold: it used to be
+    # told no (the engine answered only for the ranks it held), and the job waited for
+    # the whole batch generation.
+    backend = MemoryBackend(TIERS)
+    dispatcher = Dispatcher(backend, engine, config=FAST)
+    jobs = JobClient(backend, on_enqueue=dispatcher.notify)
+    dispatcher.start()
+    try:
+        batch = (await jobs.submit_and_wait(_job("batch", 2, 120, preemptible=True))).__aiter__()
+        first = await anext(batch)  # running: it holds the only slot
+        assert not engine.can_accept()
+        assert engine.can_accept(0)
+        assert not engine.can_accept(2)
+        urgent = await jobs.submit_and_wait(_job("urgent", 0, 2))
+        urgent_outputs = await _drain(urgent)
+        assert urgent_outputs[-1].finished
+        # Served before the batch work ended, which then resumed where it was.
+        assert await backend.job_status("batch") is JobStatus.LEASED
+        rest = [first, *[output async for output in batch]]
+        assert rest[-1].finish_reason == "length"
+        assert rest[-1].num_output_tokens == 120
+        assert _tokens(rest) == await _reference(engine, 120)
+        assert engine.stats().num_preemptions >= 1
+    finally:
+        await dispatcher.aclose(0)
+        await jobs.aclose()
