@@ -31,10 +31,12 @@ Families (after the prefix):
 - `leases`                sorted set, leased job id -> ms when its lease ends
 - `res:<id>`              stream, one request's result events; expires after the last
 - `workers`               sorted set, worker id -> ms until its capacity report lapses
-- `cap:<worker>`          hash, a worker's measured prefill and decode tokens/s and the
-                          work its engine holds per rank (JSON fields); for operators
-                          also its running and waiting sequences, KV-cache use and
-                          when it reported (`reported_at_ms`)
+- `cap:<worker>`          hash, a worker's measured prefill and decode tokens/s, the
+                          work its engine holds per rank (JSON fields) and its free
+                          sequence slots (`num_free_seqs`: less the jobs leased since
+                          it reported, plus those of them that ended, marked `sl` in
+                          their job hash); for operators also its running and waiting
+                          sequences, KV-cache use and when it reported (`reported_at_ms`)
 - `rl:<tenant>`           hash, a tenant's RPM and TPM bucket levels
 - `rl_inflight:<tenant>`  sorted set, reservation id -> ms when it lapses (concurrency)
 - `gateway:<gateway>`     string, a gateway's presence: `up` while it renews it (a TTL of

@@ -56,6 +56,7 @@ class _Entry:
     resumed_token_ids: tuple[int, ...] = ()
     expire_at_ms: int | None = None
     deadline_ms: int | None = None
+    took_free_seq: bool = False  # its lease took a slot its worker reported free
 
 
 @dataclass(eq=False)
@@ -334,7 +335,7 @@ class MemoryBackend:
         entry.lease_until_ms = now_ms + lease_ms
         entry.num_leases += 1
         heapq.heappush(self._leases, (entry.lease_until_ms, job_id))
-        self._take_free_seq(worker_id)
+        entry.took_free_seq = self._take_free_seq(worker_id)
         rank = self._rank(job.tier)
         if job.rank != rank or job.resumed_token_ids != entry.resumed_token_ids:
             job = entry.job = replace(job, rank=rank, resumed_token_ids=entry.resumed_token_ids)
@@ -455,6 +456,7 @@ class MemoryBackend:
         return True
 
     def _requeue(self, entry: _Entry, resumed_token_ids: tuple[int, ...]) -> None:
+        self._give_back_seq(entry)
         entry.resumed_token_ids = resumed_token_ids
         entry.worker_id = ""
         entry.lease_until_ms = 0
@@ -513,6 +515,7 @@ class MemoryBackend:
         return None if finished is None else JobStatus(finished[0])
 
     def _finish(self, entry: _Entry, status: JobStatus, now_ms: int) -> None:
+        self._give_back_seq(entry)
         job = entry.job
         # The prompt goes with the entry (as the Redis backend empties the job's payload).
         del self._entries[job.job_id]
@@ -620,21 +623,36 @@ class MemoryBackend:
         self._fleet = None
         self._next_lapse_ms = min(self._next_lapse_ms, until_ms)
 
-    def _take_free_seq(self, worker_id: str) -> None:
+    def _take_free_seq(self, worker_id: str) -> bool:
         """A job leased to the worker takes one of the sequence slots it last reported
         free (as dispatch.lua does): admission stops counting it before the next report.
+        True if it took one, which the job gives back as it ends (_give_back_seq).
 
         The job's tokens are not moved to the worker's held work the same way: counted
         there until the next report, those of jobs that finished meanwhile counted too,
         and the simulator's report refused about 50 more latency requests at 1.5x load
         to spare 7 SLO misses (its refusals on batch fell from 99% to 77%)."""
         live = self._workers.get(worker_id)
-        if live is not None and live[1].num_free_seqs > 0:
+        if live is None or live[1].num_free_seqs == 0:
+            return False
+        self._add_free_seqs(worker_id, -1)
+        return True
+
+    def _give_back_seq(self, entry: _Entry) -> None:
+        """The slot a leased job took, free again as its worker lets the job go (it ends,
+        is handed back or cancelled), until that worker's next report (free_seq in
+        lua/_lib.lua). A job that finished at max_tokens triggers no early report, and
+        its slot stayed taken for up to a heartbeat, refusing the next SLO requests."""
+        if entry.took_free_seq:
+            entry.took_free_seq = False
+            self._add_free_seqs(entry.worker_id, 1)
+
+    def _add_free_seqs(self, worker_id: str, num: int) -> None:
+        live = self._workers.get(worker_id)
+        if live is not None:
             until_ms, report = live
-            self._workers[worker_id] = (
-                until_ms,
-                replace(report, num_free_seqs=report.num_free_seqs - 1),
-            )
+            free = report.num_free_seqs + num
+            self._workers[worker_id] = (until_ms, replace(report, num_free_seqs=free))
             self._fleet = None
 
     async def fleet_capacity(self) -> FleetCapacity:

@@ -243,7 +243,23 @@ end
 -- The payload ('j': the prompt and parameters) is emptied, not deleted: a finished job
 -- is never dispatched again, and the field's presence still refuses its id as a
 -- duplicate until the hash expires, an hour of prompts that Redis need not hold.
+-- A leased job whose lease took one of its worker's free sequence slots ('sl', set by
+-- dispatch.lua) gives it back as its worker lets it go (it ends, is handed back or is
+-- cancelled): until the worker's next report, admission counts the slot free again. A
+-- job that finished at max_tokens triggers no early report, and its slot stayed taken
+-- for up to a heartbeat, refusing the next requests of an SLO tier.
+local function free_seq(id)
+  local h = redis.call('HMGET', K.job .. id, 'sl', 'wk')
+  if h[1] ~= '1' then return end
+  redis.call('HDEL', K.job .. id, 'sl')
+  local cap = K.cap .. h[2]
+  if redis.call('HEXISTS', cap, 'num_free_seqs') == 1 then
+    redis.call('HINCRBY', cap, 'num_free_seqs', 1)
+  end
+end
+
 local function finish(id, tenant, status, ttl_ms)
+  free_seq(id)
   redis.call('HSET', K.job .. id, 'st', status, 'wk', '', 'j', '')
   redis.call('ZREM', K.leases, id)
   redis.call('PEXPIRE', K.job .. id, ttl_ms)
@@ -254,6 +270,7 @@ end
 -- Admitted work that already ran is never dropped for having queued too long, so no
 -- expiry is set again.
 local function requeue_job(id, resumed_csv)
+  free_seq(id)
   local h = redis.call('HMGET', K.job .. id, 'tier', 'tenant', 'seq', 'pin', 'dec', 'dl')
   redis.call('HSET', K.job .. id, 'st', 'queued', 'res', resumed_csv, 'wk', '', 'lu', 0, 'ex', '')
   redis.call('ZREM', K.leases, id)

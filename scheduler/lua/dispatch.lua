@@ -12,7 +12,7 @@
 -- Returns: one string per leased job, in order: "<rank>|<resumed token csv>|<job JSON>"
 -- (fewer jobs than asked, or none, when the queue runs dry). One string per job,
 -- because parsing reply elements was a large part of the client's cost. The leased jobs
--- come off the free sequence slots of the worker's capacity report.
+-- come off the free sequence slots of the worker's capacity report, until they end.
 local now, worker, lease_ms = tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
 local in_w, out_w = tonumber(ARGV[5]), tonumber(ARGV[6])
 local bucket_ms, num_buckets = tonumber(ARGV[7]), tonumber(ARGV[8])
@@ -39,6 +39,8 @@ share_pending = {}
 depth_cache = {}
 local flat_depth = redis.call('HGETALL', K.depth)
 for i = 1, #flat_depth, 2 do depth_cache[flat_depth[i]] = tonumber(flat_depth[i + 1]) end
+
+local leased_ids = {}
 
 local function dispatch_one()
   -- 1. Queue timeouts: drop and tell the client through its result stream.
@@ -115,6 +117,7 @@ local function dispatch_one()
   redis.call('HSET', key, 'st', 'leased', 'wk', worker, 'lu', lease_until, 'chg', 1,
     'att', (tonumber(h[11]) or 0) + 1)
   redis.call('ZADD', K.leases, lease_until, id)
+  leased_ids[#leased_ids + 1] = id
   return string.format('%d', rank_of(tiers, tier)) .. '|' .. (h[8] or '') .. '|' .. h[7]
 end
 
@@ -127,11 +130,14 @@ end
 for tier, counter in pairs(floors) do redis.call('HSET', K.floor, tier, counter) end
 for key, tokens in pairs(share_pending) do redis.call('HINCRBY', key, current, tokens) end
 -- The jobs take sequence slots the worker last reported free: admission stops counting
--- them before its next report (its hash is left alone once it has lapsed).
+-- them before its next report (its hash is left alone once it has lapsed). Each job that
+-- took one is marked, to give it back when it ends (free_seq in _lib.lua).
 if #leased > 0 then
   local free = tonumber(redis.call('HGET', K.cap .. worker, 'num_free_seqs') or '0')
-  if free > 0 then
-    redis.call('HSET', K.cap .. worker, 'num_free_seqs', math.max(0, free - #leased))
+  local taken = math.min(free, #leased_ids)
+  if taken > 0 then
+    redis.call('HSET', K.cap .. worker, 'num_free_seqs', free - taken)
+    for i = 1, taken do redis.call('HSET', K.job .. leased_ids[i], 'sl', 1) end
   end
 end
 return leased

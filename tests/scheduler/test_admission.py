@@ -165,9 +165,25 @@ async def test_a_long_generation_leaves_free_slots_to_admit_into(backend, make_j
     assert (await backend.fleet_capacity()).num_free_seqs == 0
     with pytest.raises(SloUnattainableError):
         await admit(backend, third, INTERACTIVE)
-    # Its next report frees a slot again (one of them ended).
-    await report(1)
+    # A job that ends gives its slot back before the worker reports again (one ending
+    # at max_tokens triggers no early report).
+    assert await backend.complete(first.job_id, worker_id="w1", finish_reason="length")
+    assert (await backend.fleet_capacity()).num_free_seqs == 1
     assert await admit(backend, third, INTERACTIVE) == pytest.approx(50.0, abs=1)
+    assert [j.job_id for j in await backend.dispatch_many("w1", 10_000, 2)] == [third.job_id]
+    # Leased with no slot reported free (to preempt, say), a job has none to give back.
+    extra = make_job("you", "interactive", num_prompt_tokens=100)
+    await backend.enqueue(extra)
+    assert [j.job_id for j in await backend.dispatch_many("w1", 10_000, 2)] == [extra.job_id]
+    assert await backend.complete(extra.job_id, worker_id="w1", finish_reason="length")
+    assert (await backend.fleet_capacity()).num_free_seqs == 0
+    # Handed back or cancelled, a job gives its slot back too, once.
+    assert await backend.requeue(second.job_id, worker_id="w1")
+    assert await backend.cancel(third.job_id)
+    assert not await backend.cancel(third.job_id)
+    assert (await backend.fleet_capacity()).num_free_seqs == 2
+    # The worker's next report says what is free itself.
+    await report(1)
     [w1, w2] = await backend.worker_reports()
     assert (w1.num_free_seqs, w2.num_free_seqs) == (1, 0)
 
