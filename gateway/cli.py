@@ -15,6 +15,7 @@ import math
 import os
 import secrets
 import shlex
+import signal
 import socket
 import sys
 from collections.abc import Sequence
@@ -381,6 +382,17 @@ def _run_server(app: Any, settings: Settings, listener: socket.socket) -> int:
     from gateway.http_server import uvicorn_config
 
     class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # A second signal while the first one's drain runs: the operator wants out
+            # now, as a worker's second signal does (scheduler/worker.py). uvicorn's own
+            # forced exit printed a traceback per cancelled task and exited with 0.
+            if self.should_exit:
+                name = signal.Signals(sig).name
+                log.warning("second %s while shutting down: exiting now", name)
+                logging.shutdown()
+                os._exit(128 + sig)
+            super().handle_exit(sig, frame)
+
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
             await super().startup(sockets)
             if self.started:  # uvicorn announces only an address it bound itself

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -340,6 +341,7 @@ def test_a_worker_starts_and_drains_without_noise() -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+        if proc.stdout is not None and not proc.stdout.closed:
             proc.communicate()
         names = list(store.scan_iter(match=keys.pattern()))
         if names:
@@ -349,3 +351,73 @@ def test_a_worker_starts_and_drains_without_noise() -> None:
     assert "is draining" in output
     for noise in ("alembic", "nanobind", "Traceback"):
         assert noise not in output, output[-3000:]
+
+
+def test_a_second_sigint_ends_serve_at_once_without_tracebacks(tmp_path: Path) -> None:
+    """The first ^C drains (an open stream keeps the server up); a second one ends the
+    process at once with 130, as a worker's does, not with uvicorn's forced exit (a
+    traceback per cancelled task, and 0)."""
+    import signal
+    import threading
+
+    import httpx
+
+    port = _free_port()
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "TIERGATE_DATA_DIR": str(tmp_path),
+        "TIERGATE_DEVICE": "cpu",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "serve", "--demo", "--port", str(port)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    first_chunk = threading.Event()
+    try:
+        assert proc.stdout is not None
+        lines: list[str] = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and "Application startup complete" not in "".join(
+            lines[-1:]
+        ):
+            lines.append(proc.stdout.readline())
+        key = dict(re.findall(r"tier=(\w+)\s+(tg-[A-Za-z0-9_-]+)", "".join(lines)))["batch"]
+
+        def stream() -> None:
+            body = {
+                "model": "tiny-random",
+                "prompt": "Once",
+                "max_tokens": 2000,  # seconds of tokens on this model
+                "ignore_eos": True,
+                "stream": True,
+            }
+            headers = {"authorization": f"Bearer {key}"}
+            url = f"http://127.0.0.1:{port}/v1/completions"
+            with (
+                contextlib.suppress(httpx.HTTPError),
+                httpx.stream("POST", url, json=body, headers=headers, timeout=60) as reply,
+            ):
+                for line in reply.iter_lines():
+                    if line.startswith("data: {"):
+                        first_chunk.set()
+
+        reader = threading.Thread(target=stream, daemon=True)
+        reader.start()
+        assert first_chunk.wait(60), "no token streamed"
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        assert proc.poll() is None, "the first ^C waits for the open stream"
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if proc.stdout is not None and not proc.stdout.closed:
+            proc.communicate()
+    assert proc.returncode == 128 + signal.SIGINT, output[-3000:]
+    assert "second SIGINT while shutting down: exiting now" in output
+    assert "Traceback" not in output, output[-3000:]
