@@ -133,6 +133,30 @@ class ServerThread:
         self._socket.close()
 
 
+def output_until_started(proc: subprocess.Popen, timeout_s: float = 120) -> str:
+    """A server process's output up to the end of its start-up (or its exit)."""
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if "Application startup complete" in line:
+            break
+    return "".join(lines)
+
+
+def reap(proc: subprocess.Popen) -> str:
+    """Kill the process if it still runs; what it wrote that was not read yet."""
+    if proc.poll() is None:
+        proc.kill()
+    if proc.stdout is not None and not proc.stdout.closed:
+        return proc.communicate()[0] or ""
+    return ""
+
+
 def run_cli(
     *args: str, env: dict[str, str] | None = None, timeout_s: float = 120
 ) -> subprocess.CompletedProcess[str]:

@@ -17,7 +17,7 @@ import pytest
 from gateway.cli import main, settings_from_args
 from gateway.migrate import current_revision, head_revisions
 from gateway.settings import Settings, SettingsError, settings_from_env
-from tests.gateway.conftest import run_cli
+from tests.gateway.conftest import output_until_started, reap, run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -131,34 +131,28 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_serve_demo_prints_working_keys(tmp_path: Path) -> None:
-    port = _free_port()
-    env = {
-        "PATH": "/usr/bin:/bin",
-        "TIERGATE_DATA_DIR": str(tmp_path),
-        "TIERGATE_DEVICE": "cpu",
-        "TIERGATE_MAX_MODEL_LEN": "256",
-    }
+def _start_demo(tmp_path: Path, port: int, **env: str) -> tuple[subprocess.Popen, str]:
+    """`tiergate serve --demo` on `port`, and its output up to the end of start-up."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "gateway.cli", "serve", "--demo", "--port", str(port)],
         cwd=ROOT,
-        env=env,
+        env={
+            "PATH": "/usr/bin:/bin",
+            "TIERGATE_DATA_DIR": str(tmp_path),
+            "TIERGATE_DEVICE": "cpu",
+            **env,
+        },
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
+    return proc, output_until_started(proc)
+
+
+def test_serve_demo_prints_working_keys(tmp_path: Path) -> None:
+    port = _free_port()
+    proc, output = _start_demo(tmp_path, port, TIERGATE_MAX_MODEL_LEN="256")
     try:
-        lines: list[str] = []
-        deadline = time.monotonic() + 120
-        assert proc.stdout is not None
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "Application startup complete" in line:
-                break
-        output = "".join(lines)
         # What start-up built is out of the collector's way before the first request.
         frozen = re.search(r"start-up heap frozen: (\d+) objects", output)
         assert frozen is not None, output
@@ -339,10 +333,7 @@ def test_a_worker_starts_and_drains_without_noise() -> None:
         proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        if proc.stdout is not None and not proc.stdout.closed:
-            proc.communicate()
+        reap(proc)
         names = list(store.scan_iter(match=keys.pattern()))
         if names:
             store.delete(*names)
@@ -363,29 +354,10 @@ def test_a_second_sigint_ends_serve_at_once_without_tracebacks(tmp_path: Path) -
     import httpx
 
     port = _free_port()
-    env = {
-        "PATH": "/usr/bin:/bin",
-        "TIERGATE_DATA_DIR": str(tmp_path),
-        "TIERGATE_DEVICE": "cpu",
-    }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve", "--demo", "--port", str(port)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc, started = _start_demo(tmp_path, port)
     first_chunk = threading.Event()
     try:
-        assert proc.stdout is not None
-        lines: list[str] = []
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and "Application startup complete" not in "".join(
-            lines[-1:]
-        ):
-            lines.append(proc.stdout.readline())
-        key = dict(re.findall(r"tier=(\w+)\s+(tg-[A-Za-z0-9_-]+)", "".join(lines)))["batch"]
+        key = dict(re.findall(r"tier=(\w+)\s+(tg-[A-Za-z0-9_-]+)", started))["batch"]
 
         def stream() -> None:
             body = {
@@ -414,10 +386,7 @@ def test_a_second_sigint_ends_serve_at_once_without_tracebacks(tmp_path: Path) -
         proc.send_signal(signal.SIGINT)
         output, _ = proc.communicate(timeout=20)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        if proc.stdout is not None and not proc.stdout.closed:
-            proc.communicate()
+        reap(proc)
     assert proc.returncode == 128 + signal.SIGINT, output[-3000:]
     assert "second SIGINT while shutting down: exiting now" in output
     assert "Traceback" not in output, output[-3000:]

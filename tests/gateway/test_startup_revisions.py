@@ -9,7 +9,6 @@ import asyncio
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from sqlalchemy import text
 
 from gateway.db.session import create_db_engine
 from gateway.migrate import current_revision, head_revisions, migrate_to, upgrade_to_head
-from tests.gateway.conftest import run_cli
+from tests.gateway.conftest import output_until_started, run_cli
 
 # A revision after this release's head: a database migrated by a newer release.
 FUTURE = f"{int(head_revisions()[0]) + 1:04d}"
@@ -103,18 +102,9 @@ def test_a_gateway_starts_on_a_database_ahead_of_the_code(
         stderr=subprocess.STDOUT,
         text=True,
     )
-    lines: list[str] = []
     try:
-        assert proc.stdout is not None
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "Application startup complete" in line:
-                break
-        assert "Application startup complete" in "".join(lines), "".join(lines)[-3000:]
+        output = output_until_started(proc)
+        assert "Application startup complete" in output, output[-3000:]
     finally:
         proc.terminate()
         proc.wait(timeout=30)
