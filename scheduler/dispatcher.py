@@ -26,6 +26,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
@@ -313,7 +314,13 @@ class Dispatcher:
         if now_s - self._best_rank_at_s >= self._config.rank_check_ms / 1000.0:
             self._best_rank_at_s = now_s
             self._best_rank = await self._best_queued_rank()
-        return self._best_rank is not None and self._engine.can_accept(self._best_rank)
+        if self._best_rank is None or not self._engine.can_accept(self._best_rank):
+            return False
+        # One job, the queue's best: the best rank is read again before the next. Kept,
+        # the rank the job was leased for let the jobs of worse ranks queued behind it
+        # follow it into the full engine, one per step, and wait there.
+        self._best_rank_at_s = -math.inf
+        return True
 
     def _engine_request_id(self, job_id: str) -> str:
         if job_id in self._ended_here:

@@ -335,16 +335,27 @@ async def test_a_better_rank_job_preempts_batch_work_filling_the_engine(engine) 
         assert not engine.can_accept()
         assert engine.can_accept(0)
         assert not engine.can_accept(2)
+        behind = [await jobs.submit_and_wait(_job(f"behind{i}", 2, 2)) for i in range(3)]
         urgent = await jobs.submit_and_wait(_job("urgent", 0, 2))
         urgent_outputs = await _drain(urgent)
         assert urgent_outputs[-1].finished
         # Served before the batch work ended, which then resumed where it was.
         assert await backend.job_status("batch") is JobStatus.LEASED
+        # The batch jobs queued behind the urgent one stayed queued: the rank it was
+        # leased for did not let them follow it into the full engine. (One may be
+        # leased as the urgent job ends and frees the slot, which the preempted batch
+        # job then takes back: a newcomer is handed over whenever a slot is free.)
+        await asyncio.sleep(0.2)
+        queued = (await backend.depth()).get("rank2")
+        assert queued is not None
+        assert queued.num_jobs >= 2
         rest = [first, *[output async for output in batch]]
         assert rest[-1].finish_reason == "length"
         assert rest[-1].num_output_tokens == 120
         assert _tokens(rest) == await _reference(engine, 120)
         assert engine.stats().num_preemptions >= 1
+        for stream in behind:
+            assert (await _drain(stream))[-1].finished
     finally:
         await dispatcher.aclose(0)
         await jobs.aclose()
