@@ -320,20 +320,33 @@ async def test_the_queue_wait_the_client_sees_is_the_time_before_the_lease(
         await client.aclose()
 
 
-async def test_a_better_rank_job_preempts_batch_work_filling_the_engine(engine) -> None:
+async def test_a_better_rank_job_preempts_batch_work_filling_the_engine() -> None:
     # The one slot runs preemptible batch work; a rank-0 job arrives. The dispatcher asks
     # the full engine whether it takes rank 0, a rank it does not hold: it used to be
     # told no (the engine answered only for the ranks it held), and the job waited for
     # the whole batch generation.
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+
+    # A batch generation of seconds, so that everything below happens while it runs.
+    engine = AsyncEngine(
+        EngineConfig(model="tiny-random", device="cpu", max_num_seqs=1, max_model_len=2048)
+    )
+    engine.start()
     backend = MemoryBackend(TIERS)
     dispatcher = Dispatcher(backend, engine, config=FAST)
     jobs = JobClient(backend, on_enqueue=dispatcher.notify)
     dispatcher.start()
     try:
-        batch = (await jobs.submit_and_wait(_job("batch", 2, 120, preemptible=True))).__aiter__()
+        long = _job("batch", 2, 1500, preemptible=True)
+        batch = (await jobs.submit_and_wait(long)).__aiter__()
         first = await anext(batch)  # running: it holds the only slot
-        assert not engine.can_accept()
+        for _ in range(250):  # the loop thread takes its snapshot after delivering
+            if engine.can_accept(0):
+                break
+            await asyncio.sleep(0.02)
         assert engine.can_accept(0)
+        assert not engine.can_accept()
         assert not engine.can_accept(2)
         behind = [await jobs.submit_and_wait(_job(f"behind{i}", 2, 2)) for i in range(3)]
         urgent = await jobs.submit_and_wait(_job("urgent", 0, 2))
@@ -346,16 +359,18 @@ async def test_a_better_rank_job_preempts_batch_work_filling_the_engine(engine) 
         # leased as the urgent job ends and frees the slot, which the preempted batch
         # job then takes back: a newcomer is handed over whenever a slot is free.)
         await asyncio.sleep(0.2)
+        assert await backend.job_status("batch") is JobStatus.LEASED
         queued = (await backend.depth()).get("rank2")
         assert queued is not None
         assert queued.num_jobs >= 2
         rest = [first, *[output async for output in batch]]
         assert rest[-1].finish_reason == "length"
-        assert rest[-1].num_output_tokens == 120
-        assert _tokens(rest) == await _reference(engine, 120)
+        assert rest[-1].num_output_tokens == 1500
         assert engine.stats().num_preemptions >= 1
         for stream in behind:
             assert (await _drain(stream))[-1].finished
+        assert _tokens(rest) == await _reference(engine, 1500)
     finally:
         await dispatcher.aclose(0)
         await jobs.aclose()
+        engine.shutdown()
