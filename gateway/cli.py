@@ -15,7 +15,6 @@ import math
 import os
 import secrets
 import shlex
-import signal
 import socket
 import sys
 from collections.abc import Sequence
@@ -380,6 +379,7 @@ def _run_server(app: Any, settings: Settings, listener: socket.socket) -> int:
     import uvicorn
 
     from gateway.http_server import uvicorn_config
+    from scheduler.worker import exit_now
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
@@ -387,10 +387,7 @@ def _run_server(app: Any, settings: Settings, listener: socket.socket) -> int:
             # now, as a worker's second signal does (scheduler/worker.py). uvicorn's own
             # forced exit printed a traceback per cancelled task and exited with 0.
             if self.should_exit:
-                name = signal.Signals(sig).name
-                log.warning("second %s while shutting down: exiting now", name)
-                logging.shutdown()
-                os._exit(128 + sig)
+                exit_now(sig, "shutting down")
             super().handle_exit(sig, frame)
 
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:

@@ -15,7 +15,7 @@ import inspect
 import logging
 import os
 import signal
-from typing import Any
+from typing import Any, NoReturn
 
 from scheduler.backend import BackendUnavailableError, QueueBackend
 from scheduler.dispatcher import Dispatcher, DispatcherConfig, EngineLike
@@ -58,13 +58,19 @@ def stop_on_signals(stop: asyncio.Event) -> None:
 
     def on_signal(signum: int) -> None:
         if stop.is_set():
-            log.warning("second %s while draining: exiting now", signal.Signals(signum).name)
-            logging.shutdown()
-            os._exit(128 + signum)
+            exit_now(signum, "draining")
         stop.set()
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
+
+
+def exit_now(signum: int, during: str) -> NoReturn:
+    """End the process at once, on a second signal while `during` (a drain, a shutdown):
+    the logs flushed, the status 128 + the signal, as a process killed by it."""
+    log.warning("second %s while %s: exiting now", signal.Signals(signum).name, during)
+    logging.shutdown()
+    os._exit(128 + signum)
 
 
 async def _maybe_await(value: Any) -> Any:
