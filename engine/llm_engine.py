@@ -9,6 +9,7 @@ Not thread-safe: AsyncEngine drives it from one thread.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -93,6 +94,9 @@ class EngineStats:
     # admission sees the backlog that left the queue.
     unprefilled_tokens_by_rank: dict[int, int] = field(default_factory=dict)
     decode_tokens_by_rank: dict[int, int] = field(default_factory=dict)
+    # When a newcomer would wait for a sequence slot, and who would not (RankBacklog).
+    steps_to_free_seq: int = 0
+    displacing_rank_bound: float = math.inf
 
 
 @dataclass
@@ -368,4 +372,6 @@ class LLMEngine:
             num_steps=scheduler_stats.num_steps,
             unprefilled_tokens_by_rank=backlog.unprefilled_tokens_by_rank,
             decode_tokens_by_rank=backlog.decode_tokens_by_rank,
+            steps_to_free_seq=backlog.steps_to_free_seq,
+            displacing_rank_bound=backlog.displacing_rank_bound,
         )

@@ -140,6 +140,13 @@ class RankBacklog:
     unprefilled_tokens_by_rank: dict[int, int] = field(default_factory=dict)
     # Tokens the held requests may still generate (max_tokens left), as queued jobs count.
     decode_tokens_by_rank: dict[int, int] = field(default_factory=dict)
+    # With no sequence slot (or no blocks) free: decode steps until the first running
+    # request ends at the latest (its max_tokens left), which a newcomer that cannot
+    # displace running work waits for; 0 with a slot free or nothing running.
+    steps_to_free_seq: int = 0
+    # Newcomers of a rank below this one may displace running work at once
+    # (StepScheduler.displacing_rank_bound): they wait for no slot to free.
+    displacing_rank_bound: float = math.inf
 
 
 @dataclass
@@ -226,7 +233,12 @@ class StepScheduler:
                 unprefilled[rank] = unprefilled.get(rank, 0) + num
             left = request.params.max_tokens - request.num_output_tokens
             decode[rank] = decode.get(rank, 0) + left
-        return RankBacklog(unprefilled, decode)
+        steps = 0
+        if not self._has_room():
+            steps = min(
+                (r.params.max_tokens - r.num_output_tokens for r in self._running), default=0
+            )
+        return RankBacklog(unprefilled, decode, max(steps, 0), self.displacing_rank_bound())
 
     def decode_limit(self) -> int | None:
         """How many decodes the next step may hold (the TPOT-keeping limit that pauses
@@ -244,13 +256,17 @@ class StepScheduler:
         when it would displace running preemptible work of a worse rank and nothing of
         its rank or better is waiting.
         """
-        has_room = (
-            len(self._running) < self.config.max_num_seqs
-            and self.block_manager.num_free_blocks > self.config.watermark_blocks
-        )
+        has_room = self._has_room()
         if has_room and not any(r.status is RequestStatus.WAITING for r in self._waiting):
             return True
         return rank is not None and rank < self.displacing_rank_bound()
+
+    def _has_room(self) -> bool:
+        """A sequence slot is free and free blocks exceed the watermark."""
+        return (
+            len(self._running) < self.config.max_num_seqs
+            and self.block_manager.num_free_blocks > self.config.watermark_blocks
+        )
 
     def displacing_rank_bound(self) -> float:
         """The ranks below this one may displace running work now (can_accept(rank) is

@@ -6,7 +6,8 @@ before it and the fleet's measured capacity (the sum of the prefill and decode r
 workers publish with publish_capacity):
 
     ttft = (prefill tokens ahead + own prompt) / prefill tokens_per_s
-           + decode_ahead_fraction * decode tokens ahead / decode tokens_per_s
+           + max(decode_ahead_fraction * decode tokens ahead / decode tokens_per_s,
+                 the wait for a sequence slot to free)
 
 Work ahead is what the queue would dispatch first (QueueBackend.work_ahead, in dispatch
 order) plus what the engines already hold for equal or better ranks
@@ -20,7 +21,11 @@ max_tokens and, with continuous batching, a job starts once those ahead have bee
 admitted to the batch, not finished. It counts only when the job must wait for a
 sequence slot: workers report how many requests their engines would start at the next
 step, and while more are free than jobs are queued ahead, a new job joins the running
-batch without waiting for any decode to end. If the prediction exceeds the SLO the job is
+batch without waiting for any decode to end. Waiting for one, it waits at least until
+the first running request ends (FleetCapacity.slot_wait_ms: its max_tokens left, at the
+engine's step time), unless its rank may displace running preemptible work: engines full
+of work of a worse rank that may not be preempted hold a better rank back as long as
+work of its own rank would. If the prediction exceeds the SLO the job is
 refused with the time after which the same request would fit (`retry_after_ms`). A job
 whose own prefill alone exceeds the SLO can never fit: it is admitted once nothing is
 ahead of it (best effort) and otherwise refused with the time the work ahead needs to
@@ -81,6 +86,7 @@ def slo_budget(
         held_decode_tokens=held.num_decode_tokens,
         decode_ahead_fraction=config.decode_ahead_fraction,
         num_free_seqs=capacity.num_free_seqs,
+        slot_wait_ms=capacity.slot_wait_ms(rank),
     )
 
 

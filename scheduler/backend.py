@@ -174,6 +174,8 @@ class SloBudget:
     decode_ahead_fraction: float = 0.5
     # Sequence slots the engines would fill at their next step (FleetCapacity).
     num_free_seqs: int = 0
+    # How long a job of this rank waits for a slot to free when none is (FleetCapacity).
+    slot_wait_ms: float = 0.0
 
     def predict_ms(self, work: WorkAhead, num_prompt_tokens: int) -> float:
         """Predicted TTFT of a job of `num_prompt_tokens` with `work` queued ahead of it.
@@ -182,16 +184,20 @@ class SloBudget:
         Decode ahead delays the job only when it must wait for a sequence slot: with a
         slot still free after the jobs queued ahead took theirs, it joins the running
         batch at once and only the prefill ahead of it counts. (Counted always, one long
-        generation on an idle engine refused every request of an SLO tier.)"""
+        generation on an idle engine refused every request of an SLO tier.) Waiting for a
+        slot, it waits at least until the first one frees (`slot_wait_ms`): the decode
+        ahead counts only work of its rank or better, and without that floor a priority
+        request found engines full of non-preemptible interactive work predicted at its
+        own prefill, was admitted, and waited 20 s against a 300 ms SLO."""
         num_prefill = work.num_prefill_tokens + self.held_prefill_tokens + num_prompt_tokens
-        num_decode = work.num_decode_tokens + self.held_decode_tokens
-        if work.num_jobs < self.num_free_seqs:
-            num_decode = 0
         prefill_s = num_prefill / self.prefill_tokens_per_s
+        if work.num_jobs < self.num_free_seqs:
+            return 1000.0 * prefill_s
+        num_decode = work.num_decode_tokens + self.held_decode_tokens
         decode_s = 0.0
         if num_decode and self.decode_tokens_per_s > 0:
             decode_s = self.decode_ahead_fraction * num_decode / self.decode_tokens_per_s
-        return 1000.0 * (prefill_s + decode_s)
+        return 1000.0 * prefill_s + max(1000.0 * decode_s, self.slot_wait_ms)
 
     def alone_ms(self, num_prompt_tokens: int) -> float:
         """The job's predicted TTFT with nothing ahead of it: its own prefill."""
@@ -240,6 +246,15 @@ class FleetCapacity:
     # Requests the engines would start at their next step if they arrived now (0 from a
     # worker that does not say): a newcomer that finds one waits for no decode to end.
     num_free_seqs: int = 0
+    # Per live worker, (displacing_rank_bound, slot_wait_ms): ranks below the bound may
+    # displace running work there; the others wait slot_wait_ms for a slot to free.
+    slot_waits: tuple[tuple[float, float], ...] = ()
+
+    def slot_wait_ms(self, rank: int) -> float:
+        """How long a new request of `rank` waits for a sequence slot once none is free:
+        the soonest any worker frees one for it (0 from a worker that lets it displace
+        running work, or that does not say)."""
+        return min((0.0 if rank < bound else ms for bound, ms in self.slot_waits), default=0.0)
 
     def backlog_ahead(self, rank: int) -> WorkAhead:
         """Engine-held work an engine serves before a new request of `rank`: that of
@@ -268,6 +283,10 @@ class WorkerReport:
     num_preemptions: int | None = None  # since the worker started
     num_recomputed_tokens: int | None = None  # since the worker started
     num_free_seqs: int = 0  # requests its engine would start at its next step
+    # With no slot free, how long until one frees; ranks below displacing_rank_bound
+    # may displace running work instead (FleetCapacity.slot_waits).
+    slot_wait_ms: float = 0.0
+    displacing_rank_bound: float = math.inf
 
 
 # The operator-facing fields of a worker's report (WorkerReport), with their types.
@@ -290,6 +309,15 @@ def worker_details(**values: Any) -> dict[str, Any]:
         name: None if values.get(name) is None else kind(values[name])
         for name, kind in WORKER_DETAIL_TYPES.items()
     }
+
+
+def slot_wait_ms(steps_to_free_seq: int, num_running: int, decode_tokens_per_s: float) -> float:
+    """The time an engine takes for `steps_to_free_seq` decode steps of its running batch
+    at its measured decode rate (a step makes one token per running request); 0 when it
+    has not measured one."""
+    if steps_to_free_seq <= 0 or num_running <= 0 or decode_tokens_per_s <= 0:
+        return 0.0
+    return 1000.0 * steps_to_free_seq * num_running / decode_tokens_per_s
 
 
 def add_by_rank(total: dict[int, int], part: Mapping[int, int]) -> dict[int, int]:
@@ -454,10 +482,14 @@ class QueueBackend(Protocol):
         unprefilled_tokens_by_rank: Mapping[int, int] | None = None,
         decode_tokens_by_rank: Mapping[int, int] | None = None,
         num_free_seqs: int = 0,
+        slot_wait_ms: float = 0.0,
+        displacing_rank_bound: float = math.inf,
         **details: float | None,
     ) -> None:
-        """A worker's measured rates, its engine's backlog per rank (EngineStats) and the
-        requests it would start at its next step; they count for ttl_ms (publish again
+        """A worker's measured rates, its engine's backlog per rank (EngineStats), the
+        requests it would start at its next step, and when a slot frees for ranks that
+        cannot displace running work (`slot_wait_ms`, 0 with a slot free, and
+        `displacing_rank_bound`, as in WorkerReport); they count for ttl_ms (publish again
         to stay live). A report replaces the worker's previous one. `details`: the
         WORKER_DETAIL_TYPES fields (sequence counts, KV-cache use, step budget,
         preemption counters), shown to operators (`worker_reports`, the gateways'

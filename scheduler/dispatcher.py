@@ -34,7 +34,12 @@ from typing import Any, Protocol
 
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.request import Priority, SamplingParams, TokenLogprob
-from scheduler.backend import WORKER_DETAIL_TYPES, BackendUnavailableError, QueueBackend
+from scheduler.backend import (
+    WORKER_DETAIL_TYPES,
+    BackendUnavailableError,
+    QueueBackend,
+    slot_wait_ms,
+)
 from scheduler.job import Job
 from scheduler.logprobs import encode_logprobs
 from scheduler.results import ENGINE_ERROR, INVALID_REQUEST, process_instance_id
@@ -194,8 +199,9 @@ class Dispatcher:
 
     async def publish_capacity(self) -> None:
         """Report the engine's measured rates (or the defaults until it has measured),
-        the work it holds per rank, which admission adds to the queued work ahead, and
-        the requests it would start at its next step."""
+        the work it holds per rank, which admission adds to the queued work ahead, the
+        requests it would start at its next step, and, with none, how long until a
+        running request frees a slot at the latest."""
         stats = getattr(self._engine, "stats", None)
         prefill = decode = 0.0
         snapshot = None
@@ -203,14 +209,22 @@ class Dispatcher:
             snapshot = stats()
             prefill = float(getattr(snapshot, "prefill_tokens_per_s", 0.0))
             decode = float(getattr(snapshot, "decode_tokens_per_s", 0.0))
+        prefill = prefill or self._config.default_prefill_tokens_per_s
+        decode = decode or self._config.default_decode_tokens_per_s
         await self._backend.publish_capacity(
             self.worker_id,
-            prefill_tokens_per_s=prefill or self._config.default_prefill_tokens_per_s,
-            decode_tokens_per_s=decode or self._config.default_decode_tokens_per_s,
+            prefill_tokens_per_s=prefill,
+            decode_tokens_per_s=decode,
             ttl_ms=self._config.capacity_ttl_ms,
             unprefilled_tokens_by_rank=getattr(snapshot, "unprefilled_tokens_by_rank", None),
             decode_tokens_by_rank=getattr(snapshot, "decode_tokens_by_rank", None),
             num_free_seqs=self._num_free_seqs(),
+            slot_wait_ms=slot_wait_ms(
+                getattr(snapshot, "steps_to_free_seq", 0),
+                getattr(snapshot, "num_running", 0),
+                decode,
+            ),
+            displacing_rank_bound=getattr(snapshot, "displacing_rank_bound", math.inf),
             **{name: getattr(snapshot, name, None) for name in WORKER_DETAIL_TYPES},
         )
 

@@ -604,6 +604,8 @@ class MemoryBackend:
         unprefilled_tokens_by_rank: Mapping[int, int] | None = None,
         decode_tokens_by_rank: Mapping[int, int] | None = None,
         num_free_seqs: int = 0,
+        slot_wait_ms: float = 0.0,
+        displacing_rank_bound: float = math.inf,
         **details: float | None,
     ) -> None:
         self._worker_details[worker_id] = (
@@ -617,6 +619,7 @@ class MemoryBackend:
             {int(r): int(n) for r, n in (unprefilled_tokens_by_rank or {}).items()},
             {int(r): int(n) for r, n in (decode_tokens_by_rank or {}).items()},
             max(0, int(num_free_seqs)),
+            ((float(displacing_rank_bound), max(0.0, float(slot_wait_ms))),),
         )
         until_ms = self._clock_ms() + ttl_ms
         self._workers[worker_id] = (until_ms, report)
@@ -672,6 +675,7 @@ class MemoryBackend:
             unprefilled,
             decode,
             sum(r.num_free_seqs for r in live),
+            tuple(wait for r in live for wait in r.slot_waits),
         )
         return self._fleet
 
@@ -701,6 +705,8 @@ class MemoryBackend:
                     unprefilled_tokens_by_rank=dict(report.unprefilled_tokens_by_rank),
                     decode_tokens_by_rank=dict(report.decode_tokens_by_rank),
                     num_free_seqs=report.num_free_seqs,
+                    displacing_rank_bound=report.slot_waits[0][0],
+                    slot_wait_ms=report.slot_waits[0][1],
                     **details,
                 )
             )

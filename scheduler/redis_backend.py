@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import math
 import re
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, replace
@@ -132,6 +133,8 @@ _CAPACITY_FIELDS = (
     "unprefilled_tokens_by_rank",
     "decode_tokens_by_rank",
     "num_free_seqs",
+    "slot_wait_ms",
+    "displacing_rank_bound",
 )
 
 
@@ -459,6 +462,8 @@ class RedisBackend:
         unprefilled_tokens_by_rank: Mapping[int, int] | None = None,
         decode_tokens_by_rank: Mapping[int, int] | None = None,
         num_free_seqs: int = 0,
+        slot_wait_ms: float = 0.0,
+        displacing_rank_bound: float = math.inf,
         **details: float | None,
     ) -> None:
         k = self._keys
@@ -475,6 +480,8 @@ class RedisBackend:
                         "unprefilled_tokens_by_rank": _rank_json(unprefilled_tokens_by_rank),
                         "decode_tokens_by_rank": _rank_json(decode_tokens_by_rank),
                         "num_free_seqs": max(0, int(num_free_seqs)),
+                        "slot_wait_ms": repr(max(0.0, float(slot_wait_ms))),
+                        "displacing_rank_bound": repr(float(displacing_rank_bound)),
                         "reported_at_ms": now_ms,
                         **{name: _optional(value) for name, value in shown.items()},
                     },
@@ -495,7 +502,7 @@ class RedisBackend:
                 reports = [r for r in await pipe.execute() if r[0] is not None]
         unprefilled: dict[int, int] = {}
         decode: dict[int, int] = {}
-        for _, _, unprefilled_json, decode_json, _ in reports:
+        for _, _, unprefilled_json, decode_json, *_ in reports:
             add_by_rank(unprefilled, _rank_map(unprefilled_json))
             add_by_rank(decode, _rank_map(decode_json))
         return FleetCapacity(
@@ -506,6 +513,7 @@ class RedisBackend:
             decode,
             # An older worker's report has no free slots: its decodes always count.
             sum(int(r[4] or 0) for r in reports),
+            tuple(_slot_wait(r[5], r[6]) for r in reports),
         )
 
     async def worker_reports(self) -> list[WorkerReport]:
@@ -520,7 +528,8 @@ class RedisBackend:
                 rows = await pipe.execute()
         reports = []
         for worker_id, row in zip(workers, rows, strict=True):
-            prefill, decode, unprefilled_json, decode_json, free, at_ms, *detail_values = row
+            prefill, decode, unprefilled_json, decode_json, free, *slot, at_ms = row[:8]
+            detail_values = row[8:]
             if prefill is None:  # the hash expired between the two reads
                 continue
             # A field a worker did not report (or an older worker) reads back empty.
@@ -538,6 +547,8 @@ class RedisBackend:
                     unprefilled_tokens_by_rank=_rank_map(unprefilled_json),
                     decode_tokens_by_rank=_rank_map(decode_json),
                     num_free_seqs=int(free or 0),
+                    displacing_rank_bound=_slot_wait(*slot)[0],
+                    slot_wait_ms=_slot_wait(*slot)[1],
                     **worker_details(**said),
                 )
             )
@@ -668,6 +679,11 @@ def _tier_policy_fields(tiers: Sequence[TierConfig]) -> dict[str, str | int]:
     return fields
 
 
+def _slot_wait(wait: str | None, bound: str | None) -> tuple[float, float]:
+    """A report's (displacing_rank_bound, slot_wait_ms); an older worker's says no wait."""
+    return (float(bound) if bound else math.inf, float(wait) if wait else 0.0)
+
+
 def _budget_arg(slo: SloBudget) -> str:
     """enqueue.lua's SLO budget argument: the fields, space-separated, exactly."""
     return " ".join(
@@ -680,6 +696,7 @@ def _budget_arg(slo: SloBudget) -> str:
             slo.held_decode_tokens,
             slo.decode_ahead_fraction,
             slo.num_free_seqs,
+            slo.slot_wait_ms,
         )
     )
 

@@ -46,6 +46,9 @@ def worker_view(report: WorkerReport) -> dict:
         # Requests its engine would start at its next step: SLO admission counts the
         # decodes ahead of a new request only when none is free.
         "num_free_seqs": report.num_free_seqs,
+        # With none free, when a running request frees one at the latest: the least
+        # wait admission predicts for a request that cannot displace running work.
+        "slot_wait_ms": report.slot_wait_ms,
         "kv_cache_usage": report.kv_cache_usage,
         "step_token_budget": report.step_token_budget,
         "num_preemptions": report.num_preemptions,

@@ -224,14 +224,17 @@ end
 -- Predicted TTFT in ms of a new job with `prefill`, `decode` tokens and `num_jobs` jobs
 -- queued ahead, as SloBudget.predict_ms (scheduler/backend.py) computes it; `budget` is
 -- its fields: ttft_slo_ms, prefill and decode tokens/s, held prefill and decode tokens,
--- decode fraction, free sequence slots (absent from an older gateway: none).
+-- decode fraction, free sequence slots and the wait for one to free (both absent from an
+-- older gateway: no slot free, no wait).
 local function slo_predict(budget, prefill, decode, num_jobs, num_prompt_tokens)
-  local num_prefill = prefill + budget[4] + num_prompt_tokens
+  local prefill_ms = 1000.0 * ((prefill + budget[4] + num_prompt_tokens) / budget[2])
+  if num_jobs < (budget[7] or 0) then return prefill_ms end
   local num_decode = decode + budget[5]
-  if num_jobs < (budget[7] or 0) then num_decode = 0 end
-  local decode_s = 0
-  if num_decode ~= 0 and budget[3] > 0 then decode_s = budget[6] * num_decode / budget[3] end
-  return 1000.0 * (num_prefill / budget[2] + decode_s)
+  local decode_ms = 0
+  if num_decode ~= 0 and budget[3] > 0 then
+    decode_ms = 1000.0 * (budget[6] * num_decode / budget[3])
+  end
+  return prefill_ms + math.max(decode_ms, budget[8] or 0)
 end
 
 local function emit(id, ttl_ms, fields)

@@ -280,6 +280,7 @@ class _Fleet:
                     self.capacity_ttl_ms,
                     engine.scheduler.backlog(),
                     num_seqs if num_tokens > 0 else 0,
+                    engine.scheduler.num_running,
                 )
         self.take_drops(now_s)
         served = self.served

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from engine.step_scheduler import RankBacklog
 from scheduler.admission import NoCapacityError, check_slo
-from scheduler.backend import JobStatus, SloUnattainableError
+from scheduler.backend import JobStatus, SloUnattainableError, slot_wait_ms
 from scheduler.job import Job
 from scheduler.memory_backend import MemoryBackend
 from scheduler.policy import PolicyConfig, TierConfig
@@ -138,9 +138,11 @@ class TieredQueue:
         ttl_ms: int,
         backlog: RankBacklog | None = None,
         num_free_seqs: int = 0,
+        num_running: int = 0,
     ) -> None:
-        """A simulated worker's measured rates, its engine's backlog per rank and the
-        requests it would start at its next step, as its dispatcher publishes them."""
+        """A simulated worker's measured rates, its engine's backlog per rank, the
+        requests it would start at its next step and the wait for a slot to free, as its
+        dispatcher publishes them."""
         backlog = backlog or RankBacklog()
         run_now(
             self.backend.publish_capacity(
@@ -151,5 +153,9 @@ class TieredQueue:
                 unprefilled_tokens_by_rank=backlog.unprefilled_tokens_by_rank,
                 decode_tokens_by_rank=backlog.decode_tokens_by_rank,
                 num_free_seqs=num_free_seqs,
+                slot_wait_ms=slot_wait_ms(
+                    backlog.steps_to_free_seq, num_running, decode_tokens_per_s
+                ),
+                displacing_rank_bound=backlog.displacing_rank_bound,
             )
         )

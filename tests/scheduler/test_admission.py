@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 
@@ -186,6 +187,65 @@ async def test_a_long_generation_leaves_free_slots_to_admit_into(backend, make_j
     await report(1)
     [w1, w2] = await backend.worker_reports()
     assert (w1.num_free_seqs, w2.num_free_seqs) == (1, 0)
+
+
+def test_waiting_for_a_slot_waits_at_least_until_the_first_one_frees() -> None:
+    config = AdmissionConfig()
+    work = WorkAhead(num_prefill_tokens=0.0, num_decode_tokens=0.0, num_jobs=0)
+    # w1 is full of work no rank may displace, its first slot frees in 3 s; w2 runs
+    # preemptible rank-2 work (ranks 0 and 1 displace it) and frees a slot in 8 s.
+    full = FleetCapacity(
+        2,
+        prefill_tokens_per_s=1_000.0,
+        decode_tokens_per_s=100.0,
+        decode_tokens_by_rank={1: 300, 2: 900},
+        slot_waits=((-math.inf, 3_000.0), (2, 8_000.0)),
+    )
+    assert full.slot_wait_ms(0) == full.slot_wait_ms(1) == 0.0
+    assert full.slot_wait_ms(2) == 3_000.0
+    # Rank 2's own decode ahead (half of 1,200 tokens at 100/s) exceeds the slot wait.
+    assert predict_ttft_ms(work, 100, full, config, rank=2) == pytest.approx(100.0 + 6_000.0)
+    only_w1 = FleetCapacity(1, 1_000.0, 100.0, slot_waits=((-math.inf, 3_000.0),))
+    # No decode of its rank or better ahead: a priority job still waits for the slot.
+    assert predict_ttft_ms(work, 100, only_w1, config, rank=0) == pytest.approx(3_100.0)
+    # A slot free: nobody waits for one.
+    free = FleetCapacity(1, 1_000.0, 100.0, num_free_seqs=1, slot_waits=((-math.inf, 0.0),))
+    assert predict_ttft_ms(work, 100, free, config, rank=0) == pytest.approx(100.0)
+    # A worker that does not say (an older version) is taken to wait for none.
+    assert FleetCapacity(1, 1_000.0, 100.0).slot_wait_ms(0) == 0.0
+
+
+async def test_engines_full_of_work_that_may_not_be_preempted_refuse_a_better_rank(
+    backend, make_job
+) -> None:
+    # Every slot held by interactive work, which may not be preempted: a priority job
+    # waits for the first of them to end. Its own rank's decode ahead is none, and it
+    # was admitted at its prefill's TTFT and served 20 s later, against a 500 ms SLO.
+    await backend.configure_tiers([PRIORITY, INTERACTIVE, BATCH])
+
+    async def report(displacing_rank_bound: float) -> None:
+        await backend.publish_capacity(
+            "w1",
+            prefill_tokens_per_s=1_000.0,
+            decode_tokens_per_s=100.0,
+            ttl_ms=60_000,
+            decode_tokens_by_rank={1: 4_000},
+            slot_wait_ms=2_000.0,
+            displacing_rank_bound=displacing_rank_bound,
+        )
+
+    await report(-math.inf)
+    [worker] = await backend.worker_reports()
+    assert (worker.slot_wait_ms, worker.displacing_rank_bound) == (2_000.0, -math.inf)
+    vip = make_job("vip", "priority", num_prompt_tokens=100)
+    with pytest.raises(SloUnattainableError) as refused:
+        await admit(backend, vip, PRIORITY)
+    assert refused.value.predicted_ttft_ms == pytest.approx(2_100.0)
+    # Retry-After: when the slot has freed, the job fits again.
+    assert refused.value.retry_after_ms == pytest.approx(1_600.0, abs=1)
+    # Had the engine run preemptible batch work, the priority job would displace it.
+    await report(2)
+    assert await admit(backend, vip, PRIORITY) == pytest.approx(100.0)
 
 
 async def test_slo_unattainable_then_feasible_after_retry_after(backend, make_job) -> None:
