@@ -363,9 +363,12 @@ class OpenAIRoutes:
             raise InvalidRequestError(
                 f"Unknown service_tier {requested!r}.", param="service_tier"
             ) from None
-        if tier.rank < principal.tier.rank:
+        # Lower means a worse rank: another tier of the key's own rank is not lower, and
+        # let a tenant pick any price, SLO and share of its rank (an admin-made tier with
+        # no prices billed a tenant nothing).
+        if tier.rank <= principal.tier.rank:
             raise PermissionDeniedError(
-                f"service_tier {requested!r} is above this key's tier "
+                f"service_tier {requested!r} is not below this key's tier "
                 f"{principal.tier.name!r}; a request may only ask for a lower tier.",
                 param="service_tier",
                 code="tier_not_allowed",

@@ -339,6 +339,18 @@ def test_service_tier_may_only_go_down(live_server: LiveServer) -> None:
             model=MODEL, prompt="x", max_tokens=2, extra_body={"service_tier": "gold"}
         )
     assert unknown.value.param == "service_tier"
+    # Another tier of the key's own rank is not lower: free of charge, it billed nothing.
+    with live_server.admin() as admin:
+        created = admin.post("/tiers", json={"name": "gold", "rank": 1})
+        assert created.status_code in (200, 201), created.text
+        try:
+            with pytest.raises(openai.PermissionDeniedError) as sideways:
+                client.completions.create(
+                    model=MODEL, prompt="x", max_tokens=2, extra_body={"service_tier": "gold"}
+                )
+            assert sideways.value.code == "tier_not_allowed"
+        finally:
+            assert admin.delete("/tiers/gold").status_code == 200
 
 
 def _usage_rows(database_url: str, request_ids: list[str]) -> dict[str, UsageRow]:
