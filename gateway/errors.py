@@ -194,6 +194,18 @@ def error_status(exc: BaseException) -> int:
     return 500 if kind is None else kind.status
 
 
+def unserved_outcome(exc: BaseException) -> str:
+    """The usage outcome of a request that ended with `exc` before it was admitted:
+    "invalid:<code>" for the client's own mistake (a 4xx other than 429: bad input, an
+    unknown model, a tier it may not use), which says nothing of the service and stays
+    out of its tier's SLO attainment and refusals; "rejected:<code>" for a refusal
+    (429 not now, 503 no capacity) or a failure of ours. Counted as refusals, one
+    tenant's malformed requests took a tier's reported attainment down to 43%."""
+    status = error_status(exc)
+    kind = "invalid" if 400 <= status < 500 and status != 429 else "rejected"
+    return f"{kind}:{error_code(exc)}"
+
+
 def error_code(exc: BaseException) -> str:
     """The short code a usage record or a log line names an error by."""
     kind = _lookup(exc)

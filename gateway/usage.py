@@ -42,7 +42,14 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.db.models import Tier, UsageHourly, UsageRow
-from gateway.observability.slo import SloTargets, is_prompt_served, is_slo_met, tpot_ms
+from gateway.observability.slo import (
+    INVALID_PREFIX,
+    SloTargets,
+    is_invalid,
+    is_prompt_served,
+    is_slo_met,
+    tpot_ms,
+)
 
 log = logging.getLogger(__name__)
 
@@ -140,9 +147,12 @@ def hour_of(at: datetime) -> datetime:
 def hourly_sums(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """usage_records rows (with `slo_met`) summed per (hour, tenant, tier), sorted by that
     key: each key once, as one upsert statement needs, and in one order for every writer,
-    so that two replicas upserting the same hours cannot deadlock."""
+    so that two replicas upserting the same hours cannot deadlock. A client's own
+    mistakes (is_invalid) are not summed: the report is of the service offered."""
     sums: dict[tuple[datetime, str, str], list[int]] = {}
     for row in rows:
+        if is_invalid(row["outcome"]):
+            continue
         key = (hour_of(row["created_at"]), row["tenant_id"], row["tier"])
         counts = sums.setdefault(key, [0] * len(ROLLUP_COUNTS))
         is_refused = row["outcome"].startswith("rejected:")
@@ -197,7 +207,8 @@ async def write_usage(session: AsyncSession, records: list[UsageRecord]) -> None
         row["slo_met"] = is_record_slo_met(rec, rec.slo or targets.get(rec.tier))
         rows.append(row)
     await session.execute(insert(UsageRow.__table__), rows)
-    await session.execute(_rollup_upsert(session.bind.dialect.name), hourly_sums(rows))
+    if sums := hourly_sums(rows):
+        await session.execute(_rollup_upsert(session.bind.dialect.name), sums)
 
 
 async def write_usage_with(session: AsyncSession, record: UsageRecord) -> None:
@@ -205,6 +216,11 @@ async def write_usage_with(session: AsyncSession, record: UsageRecord) -> None:
     line's result): both are kept or both lost, so a crash between the two can neither
     lose a finished line's bill nor bill a line that will run again."""
     await write_usage(session, [_fit_columns(record)])
+
+
+def summed_sql(columns: Any) -> ColumnElement[bool]:
+    """The usage_records the report sums (hourly_sums): all but the client's mistakes."""
+    return ~columns.outcome.like(f"{INVALID_PREFIX}%")
 
 
 def prompt_served_sql(columns: Any) -> ColumnElement[bool]:
@@ -281,7 +297,7 @@ async def rebuild_usage_rollup(session: AsyncSession, start: datetime, end: date
             total_if(~refused, u.c.completion_tokens),
             total_if(u.c.slo_met),
         )
-        .where(in_range)
+        .where(in_range, summed_sql(u.c))
         .group_by(literal_column("hour"), u.c.tenant_id, u.c.tier)
     )
     names = ["hour", "tenant_id", "tier", *ROLLUP_COUNTS]

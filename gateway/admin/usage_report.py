@@ -6,7 +6,9 @@ result is identical to summing usage_records over the whole range
 (`usage_report_from_records`, the reference). Joined with the tiers for their prices. A
 row counts:
 
-- requests: every request recorded (offered load: served, failed, aborted, refused);
+- requests: every request recorded (offered load: served, failed, aborted, refused),
+  but those that ended as the client's own mistake (outcome "invalid:<code>": bad
+  input, unknown model, a tier the key may not use), which usage_records keeps;
 - refusals: those refused at admission (outcome "rejected:<code>");
 - aborted: those whose client went away before the answer (outcome "aborted"), reported
   so that slo_attainment can be recomputed from the row (slo_met / (requests - aborted))
@@ -34,7 +36,7 @@ from sqlalchemy.ext.asyncio import async_sessionmaker
 from sqlalchemy.sql.elements import ColumnElement
 
 from gateway.db.models import Tier, UsageHourly, UsageRow
-from gateway.usage import ROLLUP_COUNTS, hour_of, prompt_served_sql
+from gateway.usage import ROLLUP_COUNTS, hour_of, prompt_served_sql, summed_sql
 
 GROUPINGS = {"hour": timedelta(hours=1), "day": timedelta(days=1)}
 _WORK_MEM = "64MB"
@@ -121,7 +123,7 @@ def _from_records(dialect: str, query: UsageQuery, start: datetime, end: datetim
         one_if(prompt_served_sql(u), u.prompt_tokens).label("input_tokens"),
         one_if(~refused, u.completion_tokens).label("output_tokens"),
         one_if(u.slo_met).label("slo_met"),
-    ).where(u.created_at >= start, u.created_at < end)
+    ).where(u.created_at >= start, u.created_at < end, summed_sql(u))
     return _filtered(statement, u.tenant_id, u.tier, query)
 
 

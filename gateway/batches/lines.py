@@ -21,7 +21,12 @@ from typing import Any, Protocol
 
 from engine.errors import EngineDeadError, EngineError, RequestAbortedError
 from gateway.auth import Principal
-from gateway.errors import GatewayError, InvalidRequestError, error_code, error_response
+from gateway.errors import (
+    GatewayError,
+    InvalidRequestError,
+    error_response,
+    unserved_outcome,
+)
 from gateway.observability.slo import SloTargets
 from gateway.openai import routes as openai_routes
 from gateway.openai.choices import (
@@ -108,7 +113,7 @@ class LineRunner:
         try:
             plan = await self._admit(request_id, principal, tier, body_json, deadline_s, chat=chat)
         except (GatewayError, EngineError) as exc:
-            return error_outcome(request_id, exc, record.finish(f"rejected:{error_code(exc)}"))
+            return error_outcome(request_id, exc, record.finish(unserved_outcome(exc)))
         jobs = plan.jobs
         record.prompt_tokens = plan.num_prompt_tokens
         streams = [self._jobs.submit(job) for job in jobs]

@@ -21,6 +21,16 @@ class SloTargets:
     tpot_slo_ms: float | None = None
 
 
+INVALID_PREFIX = "invalid:"  # outcome of a request refused for the client's own mistake
+
+
+def is_invalid(outcome: str) -> bool:
+    """Whether a request ended as the client's own mistake (errors.unserved_outcome): it
+    stays out of the usage report and of SLO attainment and refusals, since it says
+    nothing of the service (usage_records keeps it, /metrics counts it apart)."""
+    return outcome.startswith(INVALID_PREFIX)
+
+
 def is_prompt_served(outcome: str, queue_wait_ms: float | None) -> bool:
     """Whether a request's prompt tokens count as served (usage report, token metrics,
     the tenant's TPM): it was admitted and left the queue. A refused prompt was never

@@ -37,6 +37,7 @@ from gateway.observability.histograms import (
 from gateway.observability.slo import (
     RecentOutcomes,
     SloTargets,
+    is_invalid,
     is_prompt_served,
     is_slo_met,
     tpot_ms,
@@ -396,8 +397,10 @@ class Telemetry:
         is_ok = outcome == "ok"
         tpot = tpot_ms(record.e2e_ms, record.ttft_ms, record.decode_tokens)
         targets = record.slo or self._slo_targets.get(record.tier, SloTargets())
-        # A client that went away is neither a hit nor a miss: it did not wait for one.
-        is_counted = outcome != "aborted"
+        # A client that went away is neither a hit nor a miss: it did not wait for one;
+        # nor is a client's own mistake (a bad request) one of the service's.
+        is_mistake = is_invalid(outcome)
+        is_counted = outcome != "aborted" and not is_mistake
         is_met = is_slo_met(targets, is_ok=is_ok, ttft_ms=record.ttft_ms, tpot_ms=tpot)
         # Tokens as the usage report bills them: a prompt refused, or left in the queue,
         # was never processed; a refused request's output reached nobody.
@@ -416,6 +419,8 @@ class Telemetry:
             counts = self._counts
             tenant = self.tenant_labels.observe(record.tenant_id)
             kind = "rejected" if refusal_code is not None else outcome
+            if is_mistake:
+                kind = "invalid"
             _bump(counts["requests"], (record.tier, tenant, kind), 1)
             if refusal_code is not None:
                 _bump(counts["refusals"], (record.tier, refusal_code), 1)

@@ -174,7 +174,9 @@ class RequestTracer:
         status_code, status_message = 0, ""
         if trace.outcome is not None:
             trace.attributes["tiergate.outcome"] = trace.outcome
-            if trace.outcome not in ("ok", "aborted") and not trace.outcome.startswith("rejected:"):
+            if trace.outcome not in ("ok", "aborted") and not trace.outcome.startswith(
+                ("rejected:", "invalid:")
+            ):
                 status_code, status_message = StatusCode.ERROR.value, trace.outcome
         parent = trace.parent
         self._sink(

@@ -39,6 +39,7 @@ from gateway.errors import (
     PermissionDeniedError,
     error_code,
     error_response,
+    unserved_outcome,
 )
 from gateway.middleware import request_id_of
 from gateway.observability import Telemetry
@@ -184,7 +185,7 @@ class OpenAIRoutes:
             self._finish(exchange, "aborted")  # gone before its body arrived
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         except (GatewayError, EngineError) as exc:
-            self._finish(exchange, f"rejected:{error_code(exc)}")
+            self._finish(exchange, unserved_outcome(exc))
             raise
         shape = ResponseShape.for_request(
             request_id, model=self.deps.model.model_name, service_tier=tier.name, chat=chat

@@ -73,38 +73,41 @@ def test_requests_refusals_and_latencies_are_counted(live_server: LiveServer) ->
         client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="x", max_tokens=live_server.max_model_len)
+    # A tenant allowed one request a minute is refused its second: a refusal.
+    limited = live_server.client(live_server.new_key("interactive", rpm=1))
+    limited.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    with pytest.raises(openai.RateLimitError):
+        limited.completions.create(model=MODEL, prompt="x", max_tokens=2)
 
     after = scrape(live_server)
-    ok = dict(tier="interactive", tenant=tenant, outcome="ok")
-    rejected = dict(tier="interactive", tenant=tenant, outcome="rejected")
+
+    def grown(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert grown("tiergate_requests_total", tier="interactive", tenant=tenant, outcome="ok") == 4
+    # The client's own mistakes are counted apart: neither refusals nor SLO misses.
+    invalid = dict(tier="interactive", tenant=tenant, outcome="invalid")
+    assert grown("tiergate_requests_total", **invalid) == 2
     assert (
-        value(after, "tiergate_requests_total", **ok)
-        - value(before, "tiergate_requests_total", **ok)
-        == 4
-    )
-    assert (
-        value(after, "tiergate_requests_total", **rejected)
-        - value(before, "tiergate_requests_total", **rejected)
-        == 2
+        grown("tiergate_requests_total", tier="interactive", tenant=tenant, outcome="rejected") == 0
     )
     for code in ("model_not_found", "context_length_exceeded"):
-        labels = dict(tier="interactive", code=code)
-        assert (
-            value(after, "tiergate_refusals_total", **labels)
-            - value(before, "tiergate_refusals_total", **labels)
-            == 1
-        )
+        assert grown("tiergate_refusals_total", tier="interactive", code=code) == 0
+    assert grown("tiergate_refusals_total", tier="interactive", code="rate_limit_exceeded") == 1
+    slo_counted = sum(
+        grown("tiergate_slo_requests_total", tier="interactive", met=met)
+        for met in ("true", "false")
+    )
+    assert slo_counted == 4 + 2  # the ok ones, the limited tenant's served and refused
     for histogram in ("ttft", "e2e", "queue_wait", "tpot"):
         name = f"tiergate_{histogram}_milliseconds_count"
-        grown = value(after, name, tier="interactive") - value(before, name, tier="interactive")
-        assert grown >= 3, histogram  # tpot needs >= 2 output tokens; 4 were asked
+        assert grown(name, tier="interactive") >= 3, (
+            histogram
+        )  # tpot needs >= 2 output tokens; 4 were asked
     inf = value(after, "tiergate_ttft_milliseconds_bucket", tier="interactive", le="+Inf")
     assert inf == value(after, "tiergate_ttft_milliseconds_count", tier="interactive")
     # Refusals count as misses; attainment is a share.
-    missed = value(after, "tiergate_slo_requests_total", tier="interactive", met="false")
-    assert (
-        missed - value(before, "tiergate_slo_requests_total", tier="interactive", met="false") >= 2
-    )
+    assert grown("tiergate_slo_requests_total", tier="interactive", met="false") >= 1
     attainment = value(after, "tiergate_slo_attainment", tier="interactive")
     assert 0.0 < attainment < 1.0
     output = dict(tier="interactive", kind="output")

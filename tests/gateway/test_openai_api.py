@@ -394,7 +394,7 @@ def test_every_request_leaves_a_usage_record(live_server: LiveServer) -> None:
     assert good.ttft_ms is not None
     assert good.queue_wait_ms is not None
     assert 0 <= good.queue_wait_ms <= good.ttft_ms <= good.e2e_ms
-    assert rows[bad_id].outcome == "rejected:invalid_request_error"
+    assert rows[bad_id].outcome == "invalid:invalid_request_error"
 
 
 def test_a_streams_ttft_ends_when_its_first_text_is_sent(live_server: LiveServer) -> None:

@@ -159,7 +159,7 @@ def test_each_request_exports_one_span_tree(
     assert set(refused_spans) == {"POST /v1/completions", "auth", "admission"}
     refused_root = refused_spans["POST /v1/completions"]
     assert refused_root["attributes"]["http.response.status_code"] == 404
-    assert refused_root["attributes"]["tiergate.outcome"] == "rejected:model_not_found"
+    assert refused_root["attributes"]["tiergate.outcome"] == "invalid:model_not_found"
 
 
 @pytest.mark.parametrize(

@@ -67,6 +67,17 @@ async def test_report_counts_tokens_slo_refusals_and_cost(db_sessionmaker) -> No
                 e2e_ms=1.0,
             ),
             row("ten_a", "interactive", T0 + timedelta(minutes=5), outcome="aborted"),
+            # The client's own mistake (a bad parameter) is no part of the service.
+            row(
+                "ten_a",
+                "interactive",
+                T0 + timedelta(minutes=6),
+                outcome="invalid:invalid_request_error",
+                completion_tokens=0,
+                queue_wait_ms=None,
+                ttft_ms=None,
+                e2e_ms=1.0,
+            ),
             row("ten_a", "interactive", T0 + timedelta(hours=1, minutes=5)),  # next hour
             row("ten_b", "batch", T0 + timedelta(minutes=7), ttft_ms=60_000.0),  # no SLO: met
             row("ten_a", "interactive", T0 - timedelta(minutes=1)),  # before the range
@@ -74,6 +85,9 @@ async def test_report_counts_tokens_slo_refusals_and_cost(db_sessionmaker) -> No
         ]
         # As the UsageWriter writes a batch: records and hourly rollup together.
         await write_usage(session, rows)
+        # A batch of mistakes alone adds nothing to the rollup (and is no error).
+        mistake = row("ten_c", "interactive", T0 + timedelta(minutes=8), outcome="invalid:x")
+        await write_usage(session, [mistake])
 
     hourly = await usage_report(db_sessionmaker, UsageQuery(T0, T0 + timedelta(hours=3), "hour"))
     keyed = {(line.period_start, line.tenant_id, line.tier): line for line in hourly}
