@@ -17,6 +17,7 @@ from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from gateway.db.models import Tier
 from gateway.errors import NotFoundError
+from gateway.usage import TokenPrices
 
 
 @dataclass(frozen=True)
@@ -57,12 +58,9 @@ class TierPolicy:
             price_output_per_mtok=row.price_output_per_mtok,
         )
 
-    def cost(self, prompt_tokens: int, completion_tokens: int) -> float:
-        """Price of one request, in the currency of the tier's prices."""
-        return (
-            prompt_tokens * self.price_input_per_mtok
-            + completion_tokens * self.price_output_per_mtok
-        ) / 1_000_000
+    @property
+    def prices(self) -> TokenPrices:
+        return TokenPrices(self.price_input_per_mtok, self.price_output_per_mtok)
 
 
 # The least time between two reloads that a lookup of an unknown tier name may cause.

@@ -17,16 +17,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections import deque
 from dataclasses import dataclass, fields, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import (
+    BigInteger,
     ColumnElement,
     Insert,
     and_,
     case,
+    cast,
     delete,
     false,
     func,
@@ -52,6 +55,38 @@ from gateway.observability.slo import (
 )
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TokenPrices:
+    """A tier's prices per million input and output tokens."""
+
+    input_per_mtok: float = 0.0
+    output_per_mtok: float = 0.0
+
+    def cost(self, input_tokens: int, output_tokens: int) -> float:
+        """The price of that many tokens, in the currency of the prices."""
+        return (input_tokens * self.input_per_mtok + output_tokens * self.output_per_mtok) / 1e6
+
+    def cost_nanos(self, input_tokens: int, output_tokens: int) -> int:
+        """cost() in billionths of the currency, rounded: what usage_records.cost_nanos
+        holds. Integers sum exactly in any order (the rollup and the records it sums
+        must agree to the unit), and a price per million tokens with up to three
+        decimals is exact per token."""
+        price_in, price_out = self.input_per_mtok * 1000, self.output_per_mtok * 1000
+        # Half away from zero, as SQL's round() prices rows in migration 0008 and
+        # rebuild_usage_rollup (Python's round() goes to even).
+        return math.floor(input_tokens * price_in + output_tokens * price_out + 0.5)
+
+
+def billed_tokens(
+    outcome: str, queue_wait_ms: float | None, prompt_tokens: int, completion_tokens: int
+) -> tuple[int, int]:
+    """(input, output) tokens a request is billed for: its prompt once it was admitted and
+    left the queue (is_prompt_served), its output unless it was refused (a queue timeout
+    of a request whose other choices ran reached nobody)."""
+    served_in = prompt_tokens if is_prompt_served(outcome, queue_wait_ms) else 0
+    return served_in, 0 if outcome.startswith("rejected:") else completion_tokens
 
 
 @dataclass(frozen=True)
@@ -83,6 +118,10 @@ class UsageRecord:
     # database is away), and an SLO changed meanwhile must not rewrite the verdict. Not
     # a column. None: judged by the tier's SLO at the write.
     slo: SloTargets | None = None
+    # Its tier's prices when it ran, which price it (column `cost_nanos`) for the same
+    # reason: a price changed after, or a tier deleted, must not re-price it. Not a
+    # column. None: priced at the tier's prices at the write.
+    prices: TokenPrices | None = None
 
     @property
     def decode_tokens(self) -> int:
@@ -93,11 +132,19 @@ class UsageRecord:
 
 
 _MAX_INT = 2**31 - 1
-_RECORD_FIELDS = tuple(f.name for f in fields(UsageRecord) if f.name != "slo")
+_RECORD_FIELDS = tuple(f.name for f in fields(UsageRecord) if f.name not in ("slo", "prices"))
 # What the usage_records columns hold: text lengths, and counts as 32-bit ints.
 _TEXT_LIMITS = {"request_id": 64, "tenant_id": 40, "tier": 32, "model": 200, "outcome": 64}
 _COUNT_FIELDS = ("prompt_tokens", "completion_tokens")
-ROLLUP_COUNTS = ("requests", "refusals", "aborted", "input_tokens", "output_tokens", "slo_met")
+ROLLUP_COUNTS = (
+    "requests",
+    "refusals",
+    "aborted",
+    "input_tokens",
+    "output_tokens",
+    "slo_met",
+    "cost_nanos",
+)
 
 
 def _fit_columns(rec: UsageRecord) -> UsageRecord:
@@ -151,19 +198,21 @@ def hourly_sums(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     mistakes (is_invalid) are not summed: the report is of the service offered."""
     sums: dict[tuple[datetime, str, str], list[int]] = {}
     for row in rows:
-        if is_invalid(row["outcome"]):
+        outcome = row["outcome"]
+        if is_invalid(outcome):
             continue
         key = (hour_of(row["created_at"]), row["tenant_id"], row["tier"])
         counts = sums.setdefault(key, [0] * len(ROLLUP_COUNTS))
-        is_refused = row["outcome"].startswith("rejected:")
+        input_tokens, output_tokens = billed_tokens(
+            outcome, row["queue_wait_ms"], row["prompt_tokens"], row["completion_tokens"]
+        )
         counts[0] += 1
-        counts[1] += is_refused
-        counts[2] += row["outcome"] == "aborted"
-        if is_prompt_served(row["outcome"], row["queue_wait_ms"]):
-            counts[3] += row["prompt_tokens"]
-        if not is_refused:
-            counts[4] += row["completion_tokens"]
+        counts[1] += outcome.startswith("rejected:")
+        counts[2] += outcome == "aborted"
+        counts[3] += input_tokens
+        counts[4] += output_tokens
         counts[5] += bool(row["slo_met"])
+        counts[6] += row["cost_nanos"]
     return [
         {
             "hour": hour,
@@ -194,17 +243,33 @@ async def write_usage(session: AsyncSession, records: list[UsageRecord]) -> None
     if not records:
         return
     targets: dict[str, SloTargets] = {}
-    if tiers := {rec.tier for rec in records if rec.slo is None}:
+    prices: dict[str, TokenPrices] = {}
+    if tiers := {rec.tier for rec in records if rec.slo is None or rec.prices is None}:
+        t = Tier
         found = await session.execute(
-            select(Tier.name, Tier.ttft_slo_ms, Tier.tpot_slo_ms).where(Tier.name.in_(tiers))
+            select(
+                t.name,
+                t.ttft_slo_ms,
+                t.tpot_slo_ms,
+                t.price_input_per_mtok,
+                t.price_output_per_mtok,
+            ).where(t.name.in_(tiers))
         )
-        targets = {name: SloTargets(ttft, tpot) for name, ttft, tpot in found}
+        for name, ttft, tpot, price_in, price_out in found:
+            targets[name] = SloTargets(ttft, tpot)
+            prices[name] = TokenPrices(price_in or 0.0, price_out or 0.0)
     # Plain dicts into a Core insert: asdict's deep copies and the ORM's bulk-insert
     # machinery cost more than the database's own work for these flat rows.
     rows = []
     for rec in records:
         row = {name: getattr(rec, name) for name in _RECORD_FIELDS}
         row["slo_met"] = is_record_slo_met(rec, rec.slo or targets.get(rec.tier))
+        billed = billed_tokens(
+            rec.outcome, rec.queue_wait_ms, rec.prompt_tokens, rec.completion_tokens
+        )
+        row["cost_nanos"] = (rec.prices or prices.get(rec.tier) or TokenPrices()).cost_nanos(
+            *billed
+        )
         rows.append(row)
     await session.execute(insert(UsageRow.__table__), rows)
     if sums := hourly_sums(rows):
@@ -250,6 +315,20 @@ def _slo_met_sql() -> ColumnElement[bool]:
     return case((met, true()), else_=false())
 
 
+def _cost_nanos_sql() -> ColumnElement[int]:
+    """A record's billed tokens (billed_tokens) at its tier's prices as they are now, 0
+    for a tier that no longer exists (migration 0008 holds its own copy)."""
+    u, t = UsageRow.__table__.c, Tier.__table__.c
+
+    def price(column: Any) -> Any:
+        return func.coalesce(select(column).where(t.name == u.tier).scalar_subquery(), 0.0)
+
+    served_in = case((prompt_served_sql(u), u.prompt_tokens), else_=0)
+    served_out = case((~u.outcome.like("rejected:%"), u.completion_tokens), else_=0)
+    price_in, price_out = price(t.price_input_per_mtok), price(t.price_output_per_mtok)
+    return cast(func.round(served_in * price_in * 1000 + served_out * price_out * 1000), BigInteger)
+
+
 def _hour_sql(dialect: str, at: Any) -> ColumnElement:
     if dialect == "sqlite":  # the text UTCDateTime writes, truncated to the hour
         return func.strftime("%Y-%m-%d %H:00:00.000000", at)
@@ -261,10 +340,11 @@ async def rebuild_usage_rollup(session: AsyncSession, start: datetime, end: date
 
     The repair after a rolling upgrade to migration 0005: a gateway still on the previous
     release writes records without `slo_met` and without adding them to the rollup. Those
-    records are evaluated against the tiers as they are now, then the hours are summed
-    again. Runs in the caller's transaction; on PostgreSQL it locks usage_hourly against
-    writes (reports still read) until commit, so a batch written meanwhile waits and then
-    adds to the rebuilt rows. Returns the number of rollup rows written.
+    records are evaluated against the tiers as they are now (and, written before 0008,
+    priced at their current prices), then the hours are summed again. Runs in the
+    caller's transaction; on PostgreSQL it locks usage_hourly against writes (reports
+    still read) until commit, so a batch written meanwhile waits and then adds to the
+    rebuilt rows. Returns the number of rollup rows written.
     """
     first = hour_of(start)
     last = hour_of(end)
@@ -277,6 +357,9 @@ async def rebuild_usage_rollup(session: AsyncSession, start: datetime, end: date
     in_range = and_(u.c.created_at >= first, u.c.created_at < last)
     await session.execute(
         update(u).where(in_range, u.c.slo_met.is_(None)).values(slo_met=_slo_met_sql())
+    )
+    await session.execute(
+        update(u).where(in_range, u.c.cost_nanos.is_(None)).values(cost_nanos=_cost_nanos_sql())
     )
     await session.execute(delete(h).where(h.c.hour >= first, h.c.hour < last))
     refused = u.c.outcome.like("rejected:%")
@@ -296,6 +379,7 @@ async def rebuild_usage_rollup(session: AsyncSession, start: datetime, end: date
             total_if(prompt_served_sql(u.c), u.c.prompt_tokens),
             total_if(~refused, u.c.completion_tokens),
             total_if(u.c.slo_met),
+            func.coalesce(func.sum(u.c.cost_nanos), 0),
         )
         .where(in_range, summed_sql(u.c))
         .group_by(literal_column("hour"), u.c.tenant_id, u.c.tier)

@@ -3,8 +3,7 @@
 The sums come from the hourly rollup usage_hourly for the whole UTC hours of the range
 and from usage_records only for the partial hours at its edges (migration 0005); the
 result is identical to summing usage_records over the whole range
-(`usage_report_from_records`, the reference). Joined with the tiers for their prices. A
-row counts:
+(`usage_report_from_records`, the reference). A row counts:
 
 - requests: every request recorded (offered load: served, failed, aborted, refused),
   but those that ended as the client's own mistake (outcome "invalid:<code>": bad
@@ -23,7 +22,9 @@ row counts:
   (usage_records.slo_met; /metrics counts by the same), so changing a tier's SLO does
   not rewrite history, even of requests whose records are still being written, and a
   sum per hour can hold it;
-- cost: input and output tokens at the tier's current prices per million tokens.
+- cost: each request's input and output tokens at the prices per million tokens its tier
+  had when it ran (usage_records.cost_nanos, migration 0008): changing a tier's prices, or
+  deleting the tier, does not re-price history.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from sqlalchemy import BigInteger, Select, case, cast, func, literal, select, te
 from sqlalchemy.ext.asyncio import async_sessionmaker
 from sqlalchemy.sql.elements import ColumnElement
 
-from gateway.db.models import Tier, UsageHourly, UsageRow
+from gateway.db.models import UsageHourly, UsageRow
 from gateway.usage import ROLLUP_COUNTS, hour_of, prompt_served_sql, summed_sql
 
 GROUPINGS = {"hour": timedelta(hours=1), "day": timedelta(days=1)}
@@ -123,6 +124,7 @@ def _from_records(dialect: str, query: UsageQuery, start: datetime, end: datetim
         one_if(prompt_served_sql(u), u.prompt_tokens).label("input_tokens"),
         one_if(~refused, u.completion_tokens).label("output_tokens"),
         one_if(u.slo_met).label("slo_met"),
+        func.coalesce(u.cost_nanos, 0).label("cost_nanos"),
     ).where(u.created_at >= start, u.created_at < end, summed_sql(u))
     return _filtered(statement, u.tenant_id, u.tier, query)
 
@@ -167,7 +169,6 @@ def report_statement(dialect: str, query: UsageQuery, *, is_rollup_used: bool = 
     # One aggregation over the rollup rows and the edge records together (summing each
     # part first and then the sums would sort the rollup rows twice).
     sums = (parts[0] if len(parts) == 1 else union_all(*parts)).subquery("sums")
-    t = Tier
     return (
         select(
             sums.c.period,
@@ -175,11 +176,8 @@ def report_statement(dialect: str, query: UsageQuery, *, is_rollup_used: bool = 
             sums.c.tier,
             # BIGINT, not PostgreSQL's NUMERIC for a sum of BIGINT (slow to decode).
             *(cast(func.sum(sums.c[name]), BigInteger).label(name) for name in ROLLUP_COUNTS),
-            func.max(func.coalesce(t.price_input_per_mtok, 0.0)).label("price_in"),
-            func.max(func.coalesce(t.price_output_per_mtok, 0.0)).label("price_out"),
         )
         .select_from(sums)
-        .outerjoin(t, t.name == sums.c.tier)
         .group_by(sums.c.period, sums.c.tenant_id, sums.c.tier)
         .order_by(sums.c.period, sums.c.tenant_id, sums.c.tier)
     )
@@ -224,8 +222,7 @@ def _line(
     input_tokens: int | None,
     output_tokens: int | None,
     slo_met: int | None,
-    price_in: float,
-    price_out: float,
+    cost_nanos: int | None,
 ) -> UsageLine:
     if isinstance(period, str):
         period = datetime.fromisoformat(period)
@@ -241,5 +238,5 @@ def _line(
         input_tokens=input_tokens,
         output_tokens=output_tokens,
         slo_met=int(slo_met or 0),
-        cost=(input_tokens * price_in + output_tokens * price_out) / 1_000_000,
+        cost=int(cost_nanos or 0) / 1e9,
     )

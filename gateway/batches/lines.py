@@ -40,7 +40,7 @@ from gateway.openai.logprobs import EchoedPrompt
 from gateway.openai.responses import FinishedChoice, ResponseShape, Usage
 from gateway.openai.schemas import parse_chat_request, parse_completion_request
 from gateway.tiers import TierPolicy
-from gateway.usage import UsageRecord
+from gateway.usage import TokenPrices, UsageRecord
 from scheduler.job import Job
 
 CHAT_ENDPOINT = "/v1/chat/completions"
@@ -108,7 +108,13 @@ class LineRunner:
         started_s = time.monotonic()
         chat = endpoint == CHAT_ENDPOINT
         record = _Record(
-            request_id, principal.tenant_id, tier.name, tier_slo(tier), self.model_name, started_s
+            request_id,
+            principal.tenant_id,
+            tier.name,
+            tier_slo(tier),
+            tier.prices,
+            self.model_name,
+            started_s,
         )
         try:
             plan = await self._admit(request_id, principal, tier, body_json, deadline_s, chat=chat)
@@ -234,6 +240,7 @@ class _Record:
     tenant_id: str
     tier: str
     slo: SloTargets
+    prices: TokenPrices
     model: str
     started_s: float
     prompt_tokens: int = 0
@@ -257,6 +264,7 @@ class _Record:
             queue_wait_ms=queue_wait_ms,
             outcome=outcome,
             slo=self.slo,
+            prices=self.prices,
         )
 
 

@@ -196,6 +196,11 @@ class UsageRow(Base):
     # written by a gateway older than 0005 during a rolling upgrade, so neither evaluated
     # nor in usage_hourly; gateway.usage.rebuild_usage_rollup repairs those hours.
     slo_met: Mapped[bool | None] = mapped_column(Boolean)
+    # Its billed tokens at the prices its tier had when it ran (migration 0008), so that
+    # a price change or a deleted tier does not re-price history. NULL: written by a
+    # gateway older than 0008 during a rolling upgrade (rebuild_usage_rollup prices it).
+    # In billionths of the currency (TokenPrices.cost_nanos): exact sums.
+    cost_nanos: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class UsageHourly(Base):
@@ -218,3 +223,4 @@ class UsageHourly(Base):
     input_tokens: Mapped[int] = mapped_column(BigInteger)  # of requests not refused
     output_tokens: Mapped[int] = mapped_column(BigInteger)  # of requests not refused
     slo_met: Mapped[int] = mapped_column(BigInteger)
+    cost_nanos: Mapped[int] = mapped_column(BigInteger, server_default="0")

@@ -12,7 +12,7 @@ from gateway.observability import RequestTimeline
 from gateway.observability.slo import SloTargets
 from gateway.openai.choices import choice_counts, first_queue_wait_ms
 from gateway.tiers import TierPolicy
-from gateway.usage import UsageRecord
+from gateway.usage import TokenPrices, UsageRecord
 from scheduler.rate_limit import Reservation
 from scheduler.results import JobStream
 
@@ -38,6 +38,7 @@ class Exchange:
     stream_began: bool = False  # the server started its SSE body
     reservation: Reservation | None = None
     slo: SloTargets | None = None  # the SLO of the tier it runs at, once that is known
+    prices: TokenPrices | None = None  # and that tier's prices
 
     @property
     def num_completion_tokens(self) -> int:
@@ -77,6 +78,7 @@ class Exchange:
             queue_wait_ms=first_queue_wait_ms(self.streams),
             outcome=outcome,
             slo=self.slo,
+            prices=self.prices,
         )
 
 
@@ -93,9 +95,10 @@ def usage_record(
     queue_wait_ms: float | None,
     outcome: str,
     slo: SloTargets | None,
+    prices: TokenPrices | None,
 ) -> UsageRecord:
     """The UsageRecord of a request (live, or a batch line) ending now; times are
-    monotonic seconds, `slo` the SLO of the tier it ran at."""
+    monotonic seconds, `slo` and `prices` those of the tier it ran at."""
     now = time.monotonic()
     ttft_ms = None if first_token_s is None else (first_token_s - started_s) * 1000.0
     return UsageRecord(
@@ -110,6 +113,7 @@ def usage_record(
         outcome=outcome,
         created_at=datetime.now(UTC),
         slo=slo,
+        prices=prices,
         **choice_counts(choice_tokens),
     )
 

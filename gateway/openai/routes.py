@@ -171,7 +171,7 @@ class OpenAIRoutes:
             parsed = parse_chat_request(body) if chat else parse_completion_request(body)
             options = parsed.options
             tier = await self.resolve_tier(principal, options.service_tier)
-            exchange.tier, exchange.slo = tier.name, tier_slo(tier)
+            exchange.tier, exchange.slo, exchange.prices = tier.name, tier_slo(tier), tier.prices
             self.check_model(options.model)
             plan = await self.plan(
                 parsed, len(body), request_id, principal, tier, arrival_s, chat=chat

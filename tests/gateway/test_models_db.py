@@ -104,7 +104,7 @@ async def test_tier_catalog(db_sessionmaker) -> None:
     assert [t.name for t in await catalog.all()] == ["priority", "interactive", "batch"]
     batch = await catalog.get("batch")
     assert (batch.rank, batch.preemptible, batch.completion_window_s) == (2, True, 86_400)
-    assert batch.cost(1_000_000, 2_000_000) == pytest.approx(0.25 + 2 * 0.75)
+    assert batch.prices.cost(1_000_000, 2_000_000) == pytest.approx(0.25 + 2 * 0.75)
     with pytest.raises(NotFoundError):
         await catalog.get("platinum")
 

@@ -10,6 +10,7 @@ import random
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
+import pytest
 import sqlalchemy as sa
 from sqlalchemy import func, select, update
 
@@ -22,7 +23,7 @@ from gateway.admin.usage_report import (
 from gateway.db.models import Tier, UsageHourly, UsageRow, UTCDateTime
 from gateway.db.session import create_db_engine, create_sessionmaker
 from gateway.migrate import current_revision, downgrade_to, migrate_to, upgrade_to_head
-from gateway.usage import UsageRecord, UsageWriter, rebuild_usage_rollup
+from gateway.usage import TokenPrices, UsageRecord, UsageWriter, rebuild_usage_rollup
 
 START = datetime(2025, 6, 1, 0, 0, tzinfo=UTC)
 SPAN = timedelta(days=3)
@@ -223,6 +224,55 @@ async def test_slo_met_is_decided_when_written(db_sessionmaker) -> None:
     assert await usage_report_from_records(db_sessionmaker, query) == [line]
 
 
+async def test_a_request_is_priced_at_its_tiers_prices_when_it_ran(db_sessionmaker) -> None:
+    await _set_tier_terms(db_sessionmaker)
+    # A request made at the tier's prices of then (as the gateway records it), and one
+    # recorded without them: priced at the tier's prices when written.
+    ran = UsageRecord(
+        "req_1",
+        "ten_a",
+        "batch",
+        "m",
+        1_000,
+        100,
+        1.0,
+        400.0,
+        800.0,
+        "ok",
+        START,
+        prices=TokenPrices(2.0, 8.0),
+    )
+    unpriced = UsageRecord(
+        "req_2", "ten_a", "batch", "m", 1_000, 100, 1.0, 400.0, 800.0, "ok", START
+    )
+    await _write(db_sessionmaker, [ran, unpriced], max_batch=10)
+    query = UsageQuery(START - timedelta(hours=1), START + timedelta(hours=1))
+    expected = (1_000 * 2.0 + 100 * 8.0 + 1_000 * 0.25 + 100 * 1.25) / 1e6
+    (line,) = await usage_report(db_sessionmaker, query)
+    assert line.cost == pytest.approx(expected, abs=1e-12)
+    # Re-pricing the tier, or deleting it, leaves what was billed as it was.
+    async with db_sessionmaker() as session, session.begin():
+        await session.execute(
+            update(Tier).where(Tier.name == "batch").values(price_output_per_mtok=1_000.0)
+        )
+    assert await usage_report(db_sessionmaker, query) == [line]
+    async with db_sessionmaker() as session, session.begin():
+        await session.execute(sa.delete(Tier).where(Tier.name == "batch"))
+    assert await usage_report(db_sessionmaker, query) == [line]
+    assert await usage_report_from_records(db_sessionmaker, query) == [line]
+    # The rebuild keeps the prices the records were written with.
+    async with db_sessionmaker() as session, session.begin():
+        await rebuild_usage_rollup(session, query.start, query.end)
+    assert await usage_report(db_sessionmaker, query) == [line]
+
+
+def test_prices_of_up_to_three_decimals_are_exact_per_token() -> None:
+    assert TokenPrices(0.075, 0.6).cost_nanos(3, 7) == 3 * 75 + 7 * 600
+    # Finer prices round half away from zero, as SQL's round() in the migration does.
+    assert TokenPrices(0.0005, 0.0).cost_nanos(1, 0) == 1
+    assert TokenPrices(0.0005, 0.0).cost_nanos(3, 0) == 2
+
+
 # Migration 0005 on data written before it.
 
 _USAGE_AT_0004 = sa.table(
@@ -393,3 +443,43 @@ async def test_migration_0007_takes_unserved_prompts_out_of_the_bill(database_ur
     assert await billed_input() == served
     await asyncio.to_thread(migrate_to, database_url, "0006")
     assert await billed_input() == served + unserved
+
+
+async def test_migration_0008_prices_history_at_the_prices_it_was_reported_at(
+    database_url: str,
+) -> None:
+    """Rows written before 0008 are priced at the tiers' prices of the upgrade (what the
+    report showed), each hour to the unit of its records; from then on a price change
+    re-prices nothing, and the downgrade drops the columns."""
+    rng = random.Random(13)
+    records = random_records(rng, 500, choices=(1,))
+    await asyncio.to_thread(upgrade_to_head, database_url)
+    await asyncio.to_thread(downgrade_to, database_url, "0004")
+    engine = create_db_engine(database_url)
+    sessionmaker = create_sessionmaker(engine)
+    try:
+        await _set_tier_terms(sessionmaker)
+        async with engine.begin() as connection:
+            await connection.execute(sa.insert(_USAGE_AT_0004), [_at_0004(rec) for rec in records])
+        await engine.dispose()
+        await asyncio.to_thread(migrate_to, database_url, "0007")
+        await asyncio.to_thread(upgrade_to_head, database_url)
+        whole = UsageQuery(START - timedelta(hours=1), START + SPAN + timedelta(hours=1), "day")
+        await _assert_reports_agree(sessionmaker, records, [whole, *random_queries(rng, 10)])
+        reported = await usage_report(sessionmaker, whole)
+        async with sessionmaker() as session, session.begin():
+            await session.execute(update(Tier).values(price_input_per_mtok=99.0))
+        assert await usage_report(sessionmaker, whole) == reported
+        await engine.dispose()
+
+        await asyncio.to_thread(migrate_to, database_url, "0007")
+        async with engine.connect() as connection:
+            columns = await connection.run_sync(
+                lambda c: {
+                    table: {col["name"] for col in sa.inspect(c).get_columns(table)}
+                    for table in ("usage_records", "usage_hourly")
+                }
+            )
+        assert "cost_nanos" not in columns["usage_records"] | columns["usage_hourly"]
+    finally:
+        await engine.dispose()
