@@ -117,6 +117,11 @@ class Tokenizer:
             return self._hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
         return self._rust_decode.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def token_strs(self, token_ids: Sequence[int]) -> list[str]:
+        """The vocabulary entry of each id, as the tokenizer writes it (byte-level BPE's
+        "Ġthe" for " the"): what vLLM's /tokenize answers with `return_token_strs`."""
+        return [str(piece) for piece in self._hf.convert_ids_to_tokens(list(token_ids))]
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for on its own. Decoding a token that holds part of
         a character gives U+FFFD; a byte-level BPE piece maps back byte for byte, and a

@@ -4,7 +4,8 @@ server will. A tenant key is needed; nothing is queued or billed.
 
 POST /tokenize takes a completions body's `prompt` (one) or a chat body's `messages`,
 with the same validation (and the same refusals of options this server does not have),
-and answers {"count", "max_model_len", "tokens"}. POST /detokenize takes {"model",
+and answers {"count", "max_model_len", "tokens"}, and "token_strs" (each id's vocabulary
+entry) with `return_token_strs: true`. POST /detokenize takes {"model",
 "tokens"} and answers {"prompt"}: the text those ids decode to.
 """
 
@@ -40,6 +41,11 @@ class TokenizeRoutes:
         await openai.deps.auth.authenticate(request.headers.get("authorization"))
         body = await request.body()
         data = parse_json_object(body)
+        return_token_strs = data.pop("return_token_strs", False)
+        if not isinstance(return_token_strs, bool):
+            raise InvalidRequestError(
+                "return_token_strs must be a boolean.", param="return_token_strs"
+            )
         chat = "messages" in data
         if chat and "prompt" in data:
             raise InvalidRequestError("Send prompt or messages, not both.", param="messages")
@@ -49,9 +55,14 @@ class TokenizeRoutes:
         if len(prompts) != 1:
             raise InvalidRequestError("/tokenize takes one prompt.", param="prompt")
         (ids,) = prompts
-        return JSONResponse(
-            {"count": len(ids), "max_model_len": openai.deps.model.max_model_len, "tokens": ids}
-        )
+        answer = {
+            "count": len(ids),
+            "max_model_len": openai.deps.model.max_model_len,
+            "tokens": ids,
+        }
+        if return_token_strs:
+            answer["token_strs"] = openai.deps.model.tokenizer.token_strs(ids)
+        return JSONResponse(answer)
 
     async def detokenize(self, request: Request) -> Response:
         openai = self._openai

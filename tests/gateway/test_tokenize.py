@@ -34,6 +34,20 @@ def test_counts_are_what_a_completion_bills(live_server: LiveServer) -> None:
     ids = _post(live_server, "/tokenize", {"model": MODEL, "prompt": text}).json()["tokens"]
     decoded = _post(live_server, "/detokenize", {"model": MODEL, "tokens": ids}).json()
     assert decoded == {"prompt": text}
+    assert "token_strs" not in counted
+
+
+def test_token_strs_are_the_vocabulary_entries_on_request(live_server: LiveServer) -> None:
+    from transformers import AutoTokenizer
+
+    from engine.tokenizer import _ASSETS_DIR
+
+    text = "The capital of France is"
+    body = {"model": MODEL, "prompt": text, "return_token_strs": True}
+    counted = _post(live_server, "/tokenize", body).json()
+    reference = AutoTokenizer.from_pretrained(str(_ASSETS_DIR))
+    assert counted["token_strs"] == reference.convert_ids_to_tokens(counted["tokens"])
+    assert len(counted["token_strs"]) == counted["count"]
 
 
 @pytest.mark.parametrize(
@@ -45,6 +59,12 @@ def test_counts_are_what_a_completion_bills(live_server: LiveServer) -> None:
         ("/tokenize", {"model": MODEL, "prompt": "x", "messages": []}, 400, "messages"),
         ("/tokenize", {"model": MODEL, "messages": [{"role": "x"}]}, 400, "messages[0].role"),
         ("/tokenize", {"model": MODEL, "prompt": "x", "add_special_tokens": False}, 400, None),
+        (
+            "/tokenize",
+            {"model": MODEL, "prompt": "x", "return_token_strs": 1},
+            400,
+            "return_token_strs",
+        ),
         ("/detokenize", {"model": MODEL, "tokens": [1, -1]}, 400, "tokens"),
         ("/detokenize", {"model": MODEL, "tokens": [10**9]}, 400, "tokens"),
         ("/detokenize", {"model": MODEL, "tokens": "1 2"}, 400, "tokens"),
