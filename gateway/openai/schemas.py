@@ -540,7 +540,9 @@ def _content(content: Any, role: str, where: str) -> str:
                     param=f"{where}[{j}]",
                 )
             parts.append(_required(part, "text", str, f"{where}[{j}]."))
-        return "".join(parts)
+        # One line each, as vLLM joins them: a client sending a question and a document
+        # as two parts gets the same prompt (and tokens, and bill) from either server.
+        return "\n".join(parts)
     raise InvalidRequestError(f"{where} must be a string or a list of text parts.", param=where)
 
 

@@ -148,7 +148,7 @@ def test_chat_messages_and_max_completion_tokens() -> None:
     )
     assert req.messages == (
         ChatMessage("system", "be brief"),
-        ChatMessage("user", "ab"),
+        ChatMessage("user", "a\nb"),  # parts are lines, as vLLM joins them
         ChatMessage("assistant", ""),
     )
     assert req.options.max_tokens == 3
