@@ -23,6 +23,7 @@ from engine.models import load_model
 from engine.phase_rates import PhaseRates
 from engine.request import FinishReason, Priority, Request, SamplingParams, TokenLogprob
 from engine.step_scheduler import SchedulerConfig, StepPlan, StepScheduler
+from engine.stop_hazard import StopHazard
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -94,9 +95,13 @@ class EngineStats:
     # admission sees the backlog that left the queue.
     unprefilled_tokens_by_rank: dict[int, int] = field(default_factory=dict)
     decode_tokens_by_rank: dict[int, int] = field(default_factory=dict)
-    # When a newcomer would wait for a sequence slot, and who would not (RankBacklog).
-    steps_to_free_seq: int = 0
-    displacing_rank_bound: float = math.inf
+    # When the slots free, and who need not wait for one (RankBacklog): workers publish
+    # them for SLO admission (scheduler.slot_release).
+    running_left: tuple[tuple[int, bool], ...] = ()
+    preemptible_by_rank: dict[int, int] = field(default_factory=dict)
+    best_waiting_rank: float = math.inf
+    waiting_by_rank: dict[int, int] = field(default_factory=dict)
+    stop_hazard: float = 0.0  # per token, of requests able to stop early (0: unmeasured)
 
 
 @dataclass
@@ -203,6 +208,7 @@ class LLMEngine:
         )
         self._tracked: dict[str, _Tracked] = {}
         self._rates = PhaseRates(self.cost_model)
+        self._stop_hazard = StopHazard()
 
     # ----------------------------------------------------------------- requests
     def validate(
@@ -310,6 +316,7 @@ class LLMEngine:
         outputs = []
         now_s = time.monotonic()
         eos_ids = self.tokenizer.eos_token_ids
+        num_may_stop = num_stopped = 0  # tokens of requests able to stop early; stops
         for chunk, token in zip(plan.chunks, tokens, strict=True):
             tracked = self._tracked.get(chunk.request.request_id)
             if token is None or tracked is None:
@@ -338,6 +345,9 @@ class LLMEngine:
             )
             if delta.stopped:
                 reason = FinishReason.STOP
+            if params.can_stop_early:
+                num_may_stop += 1
+                num_stopped += reason is FinishReason.STOP
             if reason is not None:
                 self.scheduler.finish(request, reason)
                 del self._tracked[request.request_id]
@@ -346,6 +356,7 @@ class LLMEngine:
             if logprob is not None:
                 new_logprobs = (replace(logprob, num_text_chars=len(delta.text)),)
             outputs.append(tracked.output([token], delta.text, reason, new_logprobs))
+        self._stop_hazard.record(num_may_stop, num_stopped)
         return outputs
 
     def _record(self, plan: StepPlan, elapsed_s: float) -> None:
@@ -372,6 +383,9 @@ class LLMEngine:
             num_steps=scheduler_stats.num_steps,
             unprefilled_tokens_by_rank=backlog.unprefilled_tokens_by_rank,
             decode_tokens_by_rank=backlog.decode_tokens_by_rank,
-            steps_to_free_seq=backlog.steps_to_free_seq,
-            displacing_rank_bound=backlog.displacing_rank_bound,
+            running_left=backlog.running_left,
+            preemptible_by_rank=backlog.preemptible_by_rank,
+            best_waiting_rank=backlog.best_waiting_rank,
+            waiting_by_rank=backlog.waiting_by_rank,
+            stop_hazard=self._stop_hazard.per_token,
         )

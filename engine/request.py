@@ -74,6 +74,13 @@ class SamplingParams:
     # prediction of it from the tokens before), with the n most likely there.
     prompt_logprobs: int | None = None
 
+    @property
+    def can_stop_early(self) -> bool:
+        """Whether anything but max_tokens (or the context's end) can end the request:
+        end of sequence, a stop string or token. Not so with a load generator's
+        `ignore_eos` alone."""
+        return not self.ignore_eos or bool(self.stop) or bool(self.stop_token_ids)
+
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples.
         if isinstance(self.stop, str):

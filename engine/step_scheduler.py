@@ -140,13 +140,16 @@ class RankBacklog:
     unprefilled_tokens_by_rank: dict[int, int] = field(default_factory=dict)
     # Tokens the held requests may still generate (max_tokens left), as queued jobs count.
     decode_tokens_by_rank: dict[int, int] = field(default_factory=dict)
-    # With no sequence slot (or no blocks) free: decode steps until the first running
-    # request ends at the latest (its max_tokens left), which a newcomer that cannot
-    # displace running work waits for; 0 with a slot free or nothing running.
-    steps_to_free_seq: int = 0
-    # Newcomers of a rank below this one may displace running work at once
-    # (StepScheduler.displacing_rank_bound): they wait for no slot to free.
-    displacing_rank_bound: float = math.inf
+    # Per running request, (tokens its max_tokens still allows, whether it can only end
+    # there): when the slots free, for a newcomer that finds none (scheduler.slot_release).
+    running_left: tuple[tuple[int, bool], ...] = ()
+    # Running preemptible requests per rank, and the best rank waiting here: a newcomer
+    # of a rank better than both displaces one of those at once (displacing_rank_bound).
+    preemptible_by_rank: dict[int, int] = field(default_factory=dict)
+    best_waiting_rank: float = math.inf
+    # Requests holding no slot yet (waiting, preempted) per rank: ahead of a newcomer of
+    # their rank or worse in the line for one.
+    waiting_by_rank: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -233,12 +236,25 @@ class StepScheduler:
                 unprefilled[rank] = unprefilled.get(rank, 0) + num
             left = request.params.max_tokens - request.num_output_tokens
             decode[rank] = decode.get(rank, 0) + left
-        steps = 0
-        if not self._has_room():
-            steps = min(
-                (r.params.max_tokens - r.num_output_tokens for r in self._running), default=0
-            )
-        return RankBacklog(unprefilled, decode, max(steps, 0), self.displacing_rank_bound())
+        waiting: dict[int, int] = {}
+        for request in self._waiting:
+            waiting[request.priority.rank] = waiting.get(request.priority.rank, 0) + 1
+        preemptible: dict[int, int] = {}
+        for request in self._running:
+            if request.priority.preemptible:
+                rank = request.priority.rank
+                preemptible[rank] = preemptible.get(rank, 0) + 1
+        return RankBacklog(
+            unprefilled,
+            decode,
+            tuple(
+                (r.params.max_tokens - r.num_output_tokens, not r.params.can_stop_early)
+                for r in self._running
+            ),
+            preemptible,
+            min((r.priority.rank for r in self._waiting), default=math.inf),
+            waiting,
+        )
 
     def decode_limit(self) -> int | None:
         """How many decodes the next step may hold (the TPOT-keeping limit that pauses
@@ -256,17 +272,13 @@ class StepScheduler:
         when it would displace running preemptible work of a worse rank and nothing of
         its rank or better is waiting.
         """
-        has_room = self._has_room()
-        if has_room and not any(r.status is RequestStatus.WAITING for r in self._waiting):
-            return True
-        return rank is not None and rank < self.displacing_rank_bound()
-
-    def _has_room(self) -> bool:
-        """A sequence slot is free and free blocks exceed the watermark."""
-        return (
+        has_room = (
             len(self._running) < self.config.max_num_seqs
             and self.block_manager.num_free_blocks > self.config.watermark_blocks
         )
+        if has_room and not any(r.status is RequestStatus.WAITING for r in self._waiting):
+            return True
+        return rank is not None and rank < self.displacing_rank_bound()
 
     def displacing_rank_bound(self) -> float:
         """The ranks below this one may displace running work now (can_accept(rank) is

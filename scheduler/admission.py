@@ -6,8 +6,7 @@ before it and the fleet's measured capacity (the sum of the prefill and decode r
 workers publish with publish_capacity):
 
     ttft = (prefill tokens ahead + own prompt) / prefill tokens_per_s
-           + max(decode_ahead_fraction * decode tokens ahead / decode tokens_per_s,
-                 the wait for a sequence slot to free)
+           + the wait for a sequence slot, when none is left for the job
 
 Work ahead is what the queue would dispatch first (QueueBackend.work_ahead, in dispatch
 order) plus what the engines already hold for equal or better ranks
@@ -16,16 +15,18 @@ sequence slot, so under overload most of the backlog waits inside the engines fo
 prefill, out of the queue's sight. Engines serve better ranks first, so their backlog of
 a worse rank is not counted.
 
-Decode work ahead counts at a fraction because jobs ahead stop on average before their
-max_tokens and, with continuous batching, a job starts once those ahead have been
-admitted to the batch, not finished. It counts only when the job must wait for a
-sequence slot: workers report how many requests their engines would start at the next
-step, and while more are free than jobs are queued ahead, a new job joins the running
-batch without waiting for any decode to end. Waiting for one, it waits at least until
-the first running request ends (FleetCapacity.slot_wait_ms: its max_tokens left, at the
-engine's step time), unless its rank may displace running preemptible work: engines full
-of work of a worse rank that may not be preempted hold a better rank back as long as
-work of its own rank would. If the prediction exceeds the SLO the job is
+The job waits for a sequence slot only when none is left for it: workers report how many
+requests their engines would start at the next step and how many running preemptible
+sequences of each rank a better rank may displace, and while more are free (or
+displaceable) than jobs are queued ahead, a new job joins the running batch without
+waiting for any decode to end. Otherwise it waits for its turn among the slot releases
+the workers expect (scheduler.slot_release: each running request's max_tokens left, and
+how often requests stop early, at the engine's step time): the k-th job without a slot
+for the k-th release, whatever the rank of the work that holds the slots (a priority job
+waits for interactive work it may not preempt). A fleet with a worker that does not
+report releases (an older version) counts decode work ahead instead, at a fraction
+(decode_ahead_fraction: jobs stop on average before their max_tokens and start once
+those ahead are in the batch, not finished). If the prediction exceeds the SLO the job is
 refused with the time after which the same request would fit (`retry_after_ms`). A job
 whose own prefill alone exceeds the SLO can never fit: it is admitted once nothing is
 ahead of it (best effort) and otherwise refused with the time the work ahead needs to
@@ -86,7 +87,9 @@ def slo_budget(
         held_decode_tokens=held.num_decode_tokens,
         decode_ahead_fraction=config.decode_ahead_fraction,
         num_free_seqs=capacity.num_free_seqs,
-        slot_wait_ms=capacity.slot_wait_ms(rank),
+        num_preemptible_seqs=capacity.num_preemptible_seqs(rank),
+        release_ms=capacity.release_ms,
+        num_waiting_seqs=capacity.num_waiting_ahead(rank),
     )
 
 

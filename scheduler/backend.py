@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 from scheduler.job import Job
 from scheduler.policy import TierConfig
+from scheduler.slot_release import nth_release_ms
 
 
 class QueueError(Exception):
@@ -174,30 +175,48 @@ class SloBudget:
     decode_ahead_fraction: float = 0.5
     # Sequence slots the engines would fill at their next step (FleetCapacity).
     num_free_seqs: int = 0
-    # How long a job of this rank waits for a slot to free when none is (FleetCapacity).
-    slot_wait_ms: float = 0.0
+    # Running sequences a job of this rank may preempt, and the waits for the next slot
+    # releases (None: a worker did not report them) (FleetCapacity).
+    num_preemptible_seqs: int = 0
+    release_ms: tuple[float, ...] | None = None
+    # Requests the engines hold without a slot, ahead of the job in the line for one.
+    num_waiting_seqs: int = 0
 
     def predict_ms(self, work: WorkAhead, num_prompt_tokens: int) -> float:
         """Predicted TTFT of a job of `num_prompt_tokens` with `work` queued ahead of it.
         The Redis queue computes the same in Lua (slo_predict in scheduler/lua/_lib.lua).
 
-        Decode ahead delays the job only when it must wait for a sequence slot: with a
-        slot still free after the jobs queued ahead took theirs, it joins the running
-        batch at once and only the prefill ahead of it counts. (Counted always, one long
-        generation on an idle engine refused every request of an SLO tier.) Waiting for a
-        slot, it waits at least until the first one frees (`slot_wait_ms`): the decode
-        ahead counts only work of its rank or better, and without that floor a priority
-        request found engines full of non-preemptible interactive work predicted at its
-        own prefill, was admitted, and waited 20 s against a 300 ms SLO."""
+        The job waits for a sequence slot only when none is left after the jobs queued
+        ahead took theirs, counting the slots it may take by preempting worse,
+        preemptible work: otherwise it joins the running batch at once and only the
+        prefill ahead of it counts. (Decodes counted always, one long generation on an
+        idle engine refused every request of an SLO tier.) Waiting, it waits for the
+        decode ahead of it to thin out (decode tokens of its rank or better, at
+        decode_ahead_fraction), and at least for its turn among the slot releases the
+        engines expect (`release_ms`, scheduler.slot_release): the k-th job without a
+        slot for the k-th release. Without that floor a priority request that found the
+        engines full of interactive work, which it may not preempt, was predicted at its
+        own prefill, admitted, and waited 20 s against a 300 ms SLO. (The releases alone,
+        which are expectations, admitted more requests into an overloaded simulated
+        fleet than met their SLO: the decode estimate errs long, and keeps the margin.)"""
         num_prefill = work.num_prefill_tokens + self.held_prefill_tokens + num_prompt_tokens
-        prefill_s = num_prefill / self.prefill_tokens_per_s
-        if work.num_jobs < self.num_free_seqs:
-            return 1000.0 * prefill_s
+        prefill_ms = 1000.0 * (num_prefill / self.prefill_tokens_per_s)
+        # Jobs ahead (queued, and held by engines without a slot) still without one
+        # once the free slots and those it may take by preemption are gone: the job
+        # waits for release number `num_seated`.
+        num_ahead = work.num_jobs + self.num_waiting_seqs
+        num_seated = num_ahead - self.num_free_seqs - self.num_preemptible_seqs
+        if num_seated < 0:
+            return prefill_ms
         num_decode = work.num_decode_tokens + self.held_decode_tokens
-        decode_s = 0.0
+        decode_ms = 0.0
         if num_decode and self.decode_tokens_per_s > 0:
-            decode_s = self.decode_ahead_fraction * num_decode / self.decode_tokens_per_s
-        return 1000.0 * prefill_s + max(1000.0 * decode_s, self.slot_wait_ms)
+            decode_ms = 1000.0 * (
+                self.decode_ahead_fraction * num_decode / self.decode_tokens_per_s
+            )
+        if self.release_ms is None:
+            return prefill_ms + decode_ms
+        return prefill_ms + max(decode_ms, nth_release_ms(self.release_ms, num_seated))
 
     def alone_ms(self, num_prompt_tokens: int) -> float:
         """The job's predicted TTFT with nothing ahead of it: its own prefill."""
@@ -246,15 +265,28 @@ class FleetCapacity:
     # Requests the engines would start at their next step if they arrived now (0 from a
     # worker that does not say): a newcomer that finds one waits for no decode to end.
     num_free_seqs: int = 0
-    # Per live worker, (displacing_rank_bound, slot_wait_ms): ranks below the bound may
-    # displace running work there; the others wait slot_wait_ms for a slot to free.
-    slot_waits: tuple[tuple[float, float], ...] = ()
+    # The waits for the fleet's next slot releases, ascending, less the reports' age
+    # (scheduler.slot_release); None when a live worker did not report its own.
+    release_ms: tuple[float, ...] | None = None
+    # Per live worker, (running preemptible sequences per rank, the best rank waiting in
+    # its engine): what a new request may take by preemption (num_preemptible_seqs).
+    preemptible: tuple[tuple[Mapping[int, int], float], ...] = ()
+    # Requests engines hold without a slot (waiting, preempted), per rank.
+    waiting_by_rank: Mapping[int, int] = field(default_factory=dict)
 
-    def slot_wait_ms(self, rank: int) -> float:
-        """How long a new request of `rank` waits for a sequence slot once none is free:
-        the soonest any worker frees one for it (0 from a worker that lets it displace
-        running work, or that does not say)."""
-        return min((0.0 if rank < bound else ms for bound, ms in self.slot_waits), default=0.0)
+    def num_waiting_ahead(self, rank: int) -> int:
+        """Requests engines hold without a slot that a new request of `rank` would find
+        ahead of it in the line for one: those of its rank or better."""
+        return sum(n for r, n in self.waiting_by_rank.items() if r <= rank)
+
+    def num_preemptible_seqs(self, rank: int) -> int:
+        """Running sequences a new request of `rank` would displace at once: preemptible
+        ones of a worse rank, on engines where nothing of its rank or better waits."""
+        return sum(
+            sum(n for r, n in by_rank.items() if r > rank)
+            for by_rank, best_waiting in self.preemptible
+            if rank < best_waiting
+        )
 
     def backlog_ahead(self, rank: int) -> WorkAhead:
         """Engine-held work an engine serves before a new request of `rank`: that of
@@ -283,10 +315,10 @@ class WorkerReport:
     num_preemptions: int | None = None  # since the worker started
     num_recomputed_tokens: int | None = None  # since the worker started
     num_free_seqs: int = 0  # requests its engine would start at its next step
-    # With no slot free, how long until one frees; ranks below displacing_rank_bound
-    # may displace running work instead (FleetCapacity.slot_waits).
-    slot_wait_ms: float = 0.0
-    displacing_rank_bound: float = math.inf
+    # The waits for its next slot releases as reported, and its running preemptible
+    # sequences (FleetCapacity.release_ms and .preemptible).
+    release_ms: tuple[float, ...] = ()
+    num_preemptible_seqs: int = 0
 
 
 # The operator-facing fields of a worker's report (WorkerReport), with their types.
@@ -309,15 +341,6 @@ def worker_details(**values: Any) -> dict[str, Any]:
         name: None if values.get(name) is None else kind(values[name])
         for name, kind in WORKER_DETAIL_TYPES.items()
     }
-
-
-def slot_wait_ms(steps_to_free_seq: int, num_running: int, decode_tokens_per_s: float) -> float:
-    """The time an engine takes for `steps_to_free_seq` decode steps of its running batch
-    at its measured decode rate (a step makes one token per running request); 0 when it
-    has not measured one."""
-    if steps_to_free_seq <= 0 or num_running <= 0 or decode_tokens_per_s <= 0:
-        return 0.0
-    return 1000.0 * steps_to_free_seq * num_running / decode_tokens_per_s
 
 
 def add_by_rank(total: dict[int, int], part: Mapping[int, int]) -> dict[int, int]:
@@ -482,14 +505,18 @@ class QueueBackend(Protocol):
         unprefilled_tokens_by_rank: Mapping[int, int] | None = None,
         decode_tokens_by_rank: Mapping[int, int] | None = None,
         num_free_seqs: int = 0,
-        slot_wait_ms: float = 0.0,
-        displacing_rank_bound: float = math.inf,
+        release_ms: Sequence[float] | None = None,
+        preemptible_by_rank: Mapping[int, int] | None = None,
+        best_waiting_rank: float = math.inf,
+        waiting_by_rank: Mapping[int, int] | None = None,
         **details: float | None,
     ) -> None:
         """A worker's measured rates, its engine's backlog per rank (EngineStats), the
-        requests it would start at its next step, and when a slot frees for ranks that
-        cannot displace running work (`slot_wait_ms`, 0 with a slot free, and
-        `displacing_rank_bound`, as in WorkerReport); they count for ttl_ms (publish again
+        requests it would start at its next step, and the waits for its next slot
+        releases with its running preemptible sequences per rank, the best rank waiting
+        in its engine and its requests waiting for a slot per rank
+        (scheduler.slot_release; `release_ms` None: not reported, as by an older
+        worker); they count for ttl_ms (publish again
         to stay live). A report replaces the worker's previous one. `details`: the
         WORKER_DETAIL_TYPES fields (sequence counts, KV-cache use, step budget,
         preemption counters), shown to operators (`worker_reports`, the gateways'

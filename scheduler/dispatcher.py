@@ -34,15 +34,11 @@ from typing import Any, Protocol
 
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.request import Priority, SamplingParams, TokenLogprob
-from scheduler.backend import (
-    WORKER_DETAIL_TYPES,
-    BackendUnavailableError,
-    QueueBackend,
-    slot_wait_ms,
-)
+from scheduler.backend import WORKER_DETAIL_TYPES, BackendUnavailableError, QueueBackend
 from scheduler.job import Job
 from scheduler.logprobs import encode_logprobs
 from scheduler.results import ENGINE_ERROR, INVALID_REQUEST, process_instance_id
+from scheduler.slot_release import release_times_ms
 
 log = logging.getLogger(__name__)
 
@@ -200,8 +196,8 @@ class Dispatcher:
     async def publish_capacity(self) -> None:
         """Report the engine's measured rates (or the defaults until it has measured),
         the work it holds per rank, which admission adds to the queued work ahead, the
-        requests it would start at its next step, and, with none, how long until a
-        running request frees a slot at the latest."""
+        requests it would start at its next step, and when its running requests are
+        expected to free their slots."""
         stats = getattr(self._engine, "stats", None)
         prefill = decode = 0.0
         snapshot = None
@@ -219,12 +215,15 @@ class Dispatcher:
             unprefilled_tokens_by_rank=getattr(snapshot, "unprefilled_tokens_by_rank", None),
             decode_tokens_by_rank=getattr(snapshot, "decode_tokens_by_rank", None),
             num_free_seqs=self._num_free_seqs(),
-            slot_wait_ms=slot_wait_ms(
-                getattr(snapshot, "steps_to_free_seq", 0),
+            release_ms=release_times_ms(
+                getattr(snapshot, "running_left", ()),
+                getattr(snapshot, "stop_hazard", 0.0),
                 getattr(snapshot, "num_running", 0),
                 decode,
             ),
-            displacing_rank_bound=getattr(snapshot, "displacing_rank_bound", math.inf),
+            preemptible_by_rank=getattr(snapshot, "preemptible_by_rank", None),
+            best_waiting_rank=getattr(snapshot, "best_waiting_rank", math.inf),
+            waiting_by_rank=getattr(snapshot, "waiting_by_rank", None),
             **{name: getattr(snapshot, name, None) for name in WORKER_DETAIL_TYPES},
         )
 

@@ -38,6 +38,7 @@ from scheduler.backend import (
 )
 from scheduler.job import Job
 from scheduler.policy import PolicyConfig, TierConfig
+from scheduler.slot_release import merge_releases
 
 
 def wall_clock_ms() -> int:
@@ -604,8 +605,10 @@ class MemoryBackend:
         unprefilled_tokens_by_rank: Mapping[int, int] | None = None,
         decode_tokens_by_rank: Mapping[int, int] | None = None,
         num_free_seqs: int = 0,
-        slot_wait_ms: float = 0.0,
-        displacing_rank_bound: float = math.inf,
+        release_ms: Sequence[float] | None = None,
+        preemptible_by_rank: Mapping[int, int] | None = None,
+        best_waiting_rank: float = math.inf,
+        waiting_by_rank: Mapping[int, int] | None = None,
         **details: float | None,
     ) -> None:
         self._worker_details[worker_id] = (
@@ -619,7 +622,14 @@ class MemoryBackend:
             {int(r): int(n) for r, n in (unprefilled_tokens_by_rank or {}).items()},
             {int(r): int(n) for r, n in (decode_tokens_by_rank or {}).items()},
             max(0, int(num_free_seqs)),
-            ((float(displacing_rank_bound), max(0.0, float(slot_wait_ms))),),
+            None if release_ms is None else tuple(sorted(max(0.0, float(x)) for x in release_ms)),
+            (
+                (
+                    {int(r): int(n) for r, n in (preemptible_by_rank or {}).items()},
+                    float(best_waiting_rank),
+                ),
+            ),
+            {int(r): int(n) for r, n in (waiting_by_rank or {}).items()},
         )
         until_ms = self._clock_ms() + ttl_ms
         self._workers[worker_id] = (until_ms, report)
@@ -659,25 +669,40 @@ class MemoryBackend:
             self._fleet = None
 
     async def fleet_capacity(self) -> FleetCapacity:
-        self._drop_lapsed_workers(self._clock_ms())
-        if self._fleet is not None:
-            return self._fleet
+        now_ms = self._clock_ms()
+        self._drop_lapsed_workers(now_ms)
+        fleet = self._fleet or self._sum_fleet()
+        self._fleet = fleet
+        if fleet.release_ms is None:
+            return fleet
+        # The releases come nearer as the reports age (as in the Redis queue).
+        aged = []
+        for worker_id, (_, report) in self._workers.items():
+            age_ms = now_ms - self._worker_details[worker_id][0]
+            aged.append([max(0.0, ms - age_ms) for ms in report.release_ms or ()])
+        return replace(fleet, release_ms=merge_releases(aged))
+
+    def _sum_fleet(self) -> FleetCapacity:
         live = [report for _, report in self._workers.values()]
         unprefilled: dict[int, int] = {}
         decode: dict[int, int] = {}
+        waiting: dict[int, int] = {}
         for report in live:
             add_by_rank(unprefilled, report.unprefilled_tokens_by_rank)
             add_by_rank(decode, report.decode_tokens_by_rank)
-        self._fleet = FleetCapacity(
+            add_by_rank(waiting, report.waiting_by_rank)
+        return FleetCapacity(
             len(live),
             sum(r.prefill_tokens_per_s for r in live),
             sum(r.decode_tokens_per_s for r in live),
             unprefilled,
             decode,
             sum(r.num_free_seqs for r in live),
-            tuple(wait for r in live for wait in r.slot_waits),
+            # Releases only if every worker reported its own (an older one does not).
+            () if all(r.release_ms is not None for r in live) else None,
+            tuple(p for r in live for p in r.preemptible),
+            waiting,
         )
-        return self._fleet
 
     def _drop_lapsed_workers(self, now_ms: int) -> None:
         if now_ms < self._next_lapse_ms:
@@ -705,8 +730,8 @@ class MemoryBackend:
                     unprefilled_tokens_by_rank=dict(report.unprefilled_tokens_by_rank),
                     decode_tokens_by_rank=dict(report.decode_tokens_by_rank),
                     num_free_seqs=report.num_free_seqs,
-                    displacing_rank_bound=report.slot_waits[0][0],
-                    slot_wait_ms=report.slot_waits[0][1],
+                    release_ms=report.release_ms or (),
+                    num_preemptible_seqs=sum(report.preemptible[0][0].values()),
                     **details,
                 )
             )

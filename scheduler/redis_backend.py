@@ -19,7 +19,7 @@ import json
 import math
 import re
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from importlib import resources
 from typing import Any
 
@@ -53,6 +53,7 @@ from scheduler.keys import KeySpace, lua_key_table
 from scheduler.memory_backend import wall_clock_ms
 from scheduler.policy import PolicyConfig, TierConfig
 from scheduler.script_channel import ScriptChannel, run_script
+from scheduler.slot_release import merge_releases
 from scheduler.stream_reader import StreamReader
 
 # Jobs per script call in enqueue_many and dispatch_many: enough to spread the fixed cost
@@ -133,14 +134,17 @@ _CAPACITY_FIELDS = (
     "unprefilled_tokens_by_rank",
     "decode_tokens_by_rank",
     "num_free_seqs",
-    "slot_wait_ms",
-    "displacing_rank_bound",
+    "release_ms",
+    "preemptible_by_rank",
+    "best_waiting_rank",
+    "waiting_by_rank",
+    "reported_at_ms",
 )
 
 
 # Further fields of a `cap:<worker>` hash, read only by worker_reports (an operator's
 # view); "" stands for a value the worker did not report.
-_WORKER_DETAIL_FIELDS = ("reported_at_ms", *WORKER_DETAIL_TYPES)
+_WORKER_DETAIL_FIELDS = tuple(WORKER_DETAIL_TYPES)
 
 
 def _optional(value: float | None) -> str:
@@ -462,8 +466,10 @@ class RedisBackend:
         unprefilled_tokens_by_rank: Mapping[int, int] | None = None,
         decode_tokens_by_rank: Mapping[int, int] | None = None,
         num_free_seqs: int = 0,
-        slot_wait_ms: float = 0.0,
-        displacing_rank_bound: float = math.inf,
+        release_ms: Sequence[float] | None = None,
+        preemptible_by_rank: Mapping[int, int] | None = None,
+        best_waiting_rank: float = math.inf,
+        waiting_by_rank: Mapping[int, int] | None = None,
         **details: float | None,
     ) -> None:
         k = self._keys
@@ -480,8 +486,10 @@ class RedisBackend:
                         "unprefilled_tokens_by_rank": _rank_json(unprefilled_tokens_by_rank),
                         "decode_tokens_by_rank": _rank_json(decode_tokens_by_rank),
                         "num_free_seqs": max(0, int(num_free_seqs)),
-                        "slot_wait_ms": repr(max(0.0, float(slot_wait_ms))),
-                        "displacing_rank_bound": repr(float(displacing_rank_bound)),
+                        "release_ms": _releases_json(release_ms),
+                        "preemptible_by_rank": _rank_json(preemptible_by_rank),
+                        "best_waiting_rank": repr(float(best_waiting_rank)),
+                        "waiting_by_rank": _rank_json(waiting_by_rank),
                         "reported_at_ms": now_ms,
                         **{name: _optional(value) for name, value in shown.items()},
                     },
@@ -499,21 +507,30 @@ class RedisBackend:
             async with self._redis.pipeline(transaction=False) as pipe:
                 for worker_id in workers:
                     pipe.hmget(k.capacity(worker_id), *_CAPACITY_FIELDS)
-                reports = [r for r in await pipe.execute() if r[0] is not None]
+                rows = [r for r in await pipe.execute() if r[0] is not None]
+        reports = [_CapacityRow.parse(row, now_ms) for row in rows]
         unprefilled: dict[int, int] = {}
         decode: dict[int, int] = {}
-        for _, _, unprefilled_json, decode_json, *_ in reports:
-            add_by_rank(unprefilled, _rank_map(unprefilled_json))
-            add_by_rank(decode, _rank_map(decode_json))
+        waiting: dict[int, int] = {}
+        for report in reports:
+            add_by_rank(unprefilled, report.unprefilled_tokens_by_rank)
+            add_by_rank(decode, report.decode_tokens_by_rank)
+            add_by_rank(waiting, report.waiting_by_rank)
+        releases = None
+        # Releases only if every worker reported its own (an older one does not).
+        if all(report.release_ms is not None for report in reports):
+            releases = merge_releases(report.aged_releases() for report in reports)
         return FleetCapacity(
             len(reports),
-            sum(float(r[0]) for r in reports),
-            sum(float(r[1]) for r in reports),
+            sum(report.prefill_tokens_per_s for report in reports),
+            sum(report.decode_tokens_per_s for report in reports),
             unprefilled,
             decode,
             # An older worker's report has no free slots: its decodes always count.
-            sum(int(r[4] or 0) for r in reports),
-            tuple(_slot_wait(r[5], r[6]) for r in reports),
+            sum(report.num_free_seqs for report in reports),
+            releases,
+            tuple((r.preemptible_by_rank, r.best_waiting_rank) for r in reports),
+            waiting,
         )
 
     async def worker_reports(self) -> list[WorkerReport]:
@@ -527,28 +544,27 @@ class RedisBackend:
                     pipe.hmget(k.capacity(worker_id), *_CAPACITY_FIELDS, *_WORKER_DETAIL_FIELDS)
                 rows = await pipe.execute()
         reports = []
+        num_fields = len(_CAPACITY_FIELDS)
         for worker_id, row in zip(workers, rows, strict=True):
-            prefill, decode, unprefilled_json, decode_json, free, *slot, at_ms = row[:8]
-            detail_values = row[8:]
-            if prefill is None:  # the hash expired between the two reads
+            if row[0] is None:  # the hash expired between the two reads
                 continue
+            report = _CapacityRow.parse(row[:num_fields], now_ms)
             # A field a worker did not report (or an older worker) reads back empty.
             said = {
                 name: value or None
-                for name, value in zip(WORKER_DETAIL_TYPES, detail_values, strict=True)
+                for name, value in zip(WORKER_DETAIL_TYPES, row[num_fields:], strict=True)
             }
             reports.append(
                 WorkerReport(
                     worker_id,
-                    # A worker that predates these fields: age unknown, shown as 0.
-                    max(0, now_ms - int(at_ms)) if at_ms else 0,
-                    float(prefill),
-                    float(decode),
-                    unprefilled_tokens_by_rank=_rank_map(unprefilled_json),
-                    decode_tokens_by_rank=_rank_map(decode_json),
-                    num_free_seqs=int(free or 0),
-                    displacing_rank_bound=_slot_wait(*slot)[0],
-                    slot_wait_ms=_slot_wait(*slot)[1],
+                    report.age_ms,
+                    report.prefill_tokens_per_s,
+                    report.decode_tokens_per_s,
+                    unprefilled_tokens_by_rank=report.unprefilled_tokens_by_rank,
+                    decode_tokens_by_rank=report.decode_tokens_by_rank,
+                    num_free_seqs=report.num_free_seqs,
+                    release_ms=report.release_ms or (),
+                    num_preemptible_seqs=sum(report.preemptible_by_rank.values()),
                     **worker_details(**said),
                 )
             )
@@ -679,9 +695,51 @@ def _tier_policy_fields(tiers: Sequence[TierConfig]) -> dict[str, str | int]:
     return fields
 
 
-def _slot_wait(wait: str | None, bound: str | None) -> tuple[float, float]:
-    """A report's (displacing_rank_bound, slot_wait_ms); an older worker's says no wait."""
-    return (float(bound) if bound else math.inf, float(wait) if wait else 0.0)
+@dataclass(frozen=True)
+class _CapacityRow:
+    """One `cap:<worker>` hash as read back (_CAPACITY_FIELDS, in order)."""
+
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    unprefilled_tokens_by_rank: dict[int, int]
+    decode_tokens_by_rank: dict[int, int]
+    num_free_seqs: int
+    release_ms: tuple[float, ...] | None  # None: not reported (an older worker)
+    preemptible_by_rank: dict[int, int]
+    best_waiting_rank: float
+    waiting_by_rank: dict[int, int]
+    age_ms: int  # since the report, by the queue's clock (0: unknown, an older worker)
+
+    @classmethod
+    def parse(cls, row: Sequence[str | None], now_ms: int) -> _CapacityRow:
+        prefill, decode, unprefilled, held, free, releases, preemptible, best, waiting, at_ms = row
+        return cls(
+            float(prefill or 0.0),
+            float(decode or 0.0),
+            _rank_map(unprefilled),
+            _rank_map(held),
+            int(free or 0),
+            _releases(releases),
+            _rank_map(preemptible),
+            float(best) if best else math.inf,
+            _rank_map(waiting),
+            max(0, now_ms - int(at_ms)) if at_ms else 0,
+        )
+
+    def aged_releases(self) -> list[float]:
+        """The releases as near as they are now: the report has aged since."""
+        return [max(0.0, ms - self.age_ms) for ms in self.release_ms or ()]
+
+
+def _releases_json(release_ms: Sequence[float] | None) -> str:
+    """A report's releases as JSON: null when the worker has none to report."""
+    return json.dumps(None if release_ms is None else [float(ms) for ms in release_ms])
+
+
+def _releases(stored: str | None) -> tuple[float, ...] | None:
+    """_releases_json read back; None too from an older worker, which has no field."""
+    found = None if stored is None else json.loads(stored)
+    return None if found is None else tuple(float(ms) for ms in found)
 
 
 def _budget_arg(slo: SloBudget) -> str:
@@ -696,7 +754,11 @@ def _budget_arg(slo: SloBudget) -> str:
             slo.held_decode_tokens,
             slo.decode_ahead_fraction,
             slo.num_free_seqs,
-            slo.slot_wait_ms,
+            slo.num_preemptible_seqs,
+            slo.num_waiting_seqs,
+            # Whether the releases follow (an empty list is still a fleet's answer).
+            0 if slo.release_ms is None else 1,
+            *(slo.release_ms or ()),
         )
     )
 

@@ -46,9 +46,10 @@ def worker_view(report: WorkerReport) -> dict:
         # Requests its engine would start at its next step: SLO admission counts the
         # decodes ahead of a new request only when none is free.
         "num_free_seqs": report.num_free_seqs,
-        # With none free, when a running request frees one at the latest: the least
-        # wait admission predicts for a request that cannot displace running work.
-        "slot_wait_ms": report.slot_wait_ms,
+        # With none free, when its running requests are expected to free the next one
+        # (null: nothing runs), and how many of them a better rank may preempt instead.
+        "next_release_ms": report.release_ms[0] if report.release_ms else None,
+        "num_preemptible_seqs": report.num_preemptible_seqs,
         "kv_cache_usage": report.kv_cache_usage,
         "step_token_budget": report.step_token_budget,
         "num_preemptions": report.num_preemptions,

@@ -224,17 +224,29 @@ end
 -- Predicted TTFT in ms of a new job with `prefill`, `decode` tokens and `num_jobs` jobs
 -- queued ahead, as SloBudget.predict_ms (scheduler/backend.py) computes it; `budget` is
 -- its fields: ttft_slo_ms, prefill and decode tokens/s, held prefill and decode tokens,
--- decode fraction, free sequence slots and the wait for one to free (both absent from an
--- older gateway: no slot free, no wait).
+-- decode fraction, free sequence slots, sequences it may preempt, requests engines hold
+-- ahead of it without a slot, 1 if the slot releases follow (0 if not), then the releases
+-- in ms (nth_release_ms in scheduler/slot_release.py).
+-- An older gateway's budget stops before the free slots or after them: none free, none
+-- to preempt, no releases.
 local function slo_predict(budget, prefill, decode, num_jobs, num_prompt_tokens)
   local prefill_ms = 1000.0 * ((prefill + budget[4] + num_prompt_tokens) / budget[2])
-  if num_jobs < (budget[7] or 0) then return prefill_ms end
+  local num_seated = num_jobs + (budget[9] or 0) - (budget[7] or 0) - (budget[8] or 0)
+  if num_seated < 0 then return prefill_ms end
   local num_decode = decode + budget[5]
   local decode_ms = 0
   if num_decode ~= 0 and budget[3] > 0 then
     decode_ms = 1000.0 * (budget[6] * num_decode / budget[3])
   end
-  return prefill_ms + math.max(decode_ms, budget[8] or 0)
+  if budget[10] ~= 1 then return prefill_ms + decode_ms end
+  local num_releases = #budget - 10
+  local release_ms = 0
+  if num_seated < num_releases then
+    release_ms = budget[11 + num_seated]
+  elseif num_releases > 0 then
+    release_ms = budget[#budget] * (num_seated + 1) / num_releases
+  end
+  return prefill_ms + math.max(decode_ms, release_ms)
 end
 
 local function emit(id, ttl_ms, fields)

@@ -10,7 +10,9 @@
 --       (last, so it may hold any character)
 --       The SLO budget is SloBudget's fields, space-separated: ttft_slo_ms, prefill and
 --       decode tokens/s, held prefill and decode tokens, decode fraction, free sequence
---       slots and the wait for a slot to free, in ms (both optional). With it, each job's TTFT is predicted from the work queued
+--       slots, slots it may preempt, requests held without a slot ahead of it, 1 if
+--       slot releases follow, the releases in ms (all
+--       optional; slo_predict in _lib.lua). With it, each job's TTFT is predicted from the work queued
 --       ahead of it (work_ahead) and the job refused when the prediction exceeds the SLO
 --       (or its own prefill, if longer).
 -- Returns: the jobs' outcomes in order, space-separated, each 'ok', 'unknown_tier',

@@ -14,10 +14,11 @@ from typing import Any, TypeVar
 
 from engine.step_scheduler import RankBacklog
 from scheduler.admission import NoCapacityError, check_slo
-from scheduler.backend import JobStatus, SloUnattainableError, slot_wait_ms
+from scheduler.backend import JobStatus, SloUnattainableError
 from scheduler.job import Job
 from scheduler.memory_backend import MemoryBackend
 from scheduler.policy import PolicyConfig, TierConfig
+from scheduler.slot_release import release_times_ms
 
 T = TypeVar("T")
 
@@ -141,7 +142,7 @@ class TieredQueue:
         num_running: int = 0,
     ) -> None:
         """A simulated worker's measured rates, its engine's backlog per rank, the
-        requests it would start at its next step and the wait for a slot to free, as its
+        requests it would start at its next step and when its slots free, as its
         dispatcher publishes them."""
         backlog = backlog or RankBacklog()
         run_now(
@@ -153,9 +154,12 @@ class TieredQueue:
                 unprefilled_tokens_by_rank=backlog.unprefilled_tokens_by_rank,
                 decode_tokens_by_rank=backlog.decode_tokens_by_rank,
                 num_free_seqs=num_free_seqs,
-                slot_wait_ms=slot_wait_ms(
-                    backlog.steps_to_free_seq, num_running, decode_tokens_per_s
+                # Simulated requests end at their max_tokens: nothing stops them early.
+                release_ms=release_times_ms(
+                    backlog.running_left, 0.0, num_running, decode_tokens_per_s
                 ),
-                displacing_rank_bound=backlog.displacing_rank_bound,
+                preemptible_by_rank=backlog.preemptible_by_rank,
+                best_waiting_rank=backlog.best_waiting_rank,
+                waiting_by_rank=backlog.waiting_by_rank,
             )
         )

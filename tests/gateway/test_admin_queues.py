@@ -20,7 +20,8 @@ WORKER_FIELDS = {
     "num_running",
     "num_waiting",
     "num_free_seqs",
-    "slot_wait_ms",
+    "next_release_ms",
+    "num_preemptible_seqs",
     "kv_cache_usage",
     "step_token_budget",
     "num_preemptions",
@@ -49,7 +50,8 @@ def test_queues_list_the_worker_of_an_idle_server(live_server: LiveServer) -> No
     assert worker["decode_tokens_per_s"] == workers["decode_tokens_per_s"] > 0
     # Idle: every sequence slot is free, and admission knows it.
     assert worker["num_free_seqs"] == workers["num_free_seqs"] == EngineConfig().max_num_seqs
-    assert worker["slot_wait_ms"] == 0.0  # so nobody waits for one
+    assert worker["next_release_ms"] is None  # nothing runs
+    assert worker["num_preemptible_seqs"] == 0
     # Reported every second; a report this old would have lapsed (5 s) already.
     assert 0 <= worker["heartbeat_age_ms"] < 5_000
     assert 0.0 <= worker["kv_cache_usage"] <= 1.0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -189,63 +190,84 @@ async def test_a_long_generation_leaves_free_slots_to_admit_into(backend, make_j
     assert (w1.num_free_seqs, w2.num_free_seqs) == (1, 0)
 
 
-def test_waiting_for_a_slot_waits_at_least_until_the_first_one_frees() -> None:
+def test_a_job_without_a_slot_waits_for_its_turn_among_the_releases() -> None:
     config = AdmissionConfig()
-    work = WorkAhead(num_prefill_tokens=0.0, num_decode_tokens=0.0, num_jobs=0)
-    # w1 is full of work no rank may displace, its first slot frees in 3 s; w2 runs
-    # preemptible rank-2 work (ranks 0 and 1 displace it) and frees a slot in 8 s.
+    # Every slot taken: releases expected in 3, 4 and 9 s; one rank-2 sequence that
+    # better ranks may preempt, on a worker where nothing waits.
     full = FleetCapacity(
         2,
         prefill_tokens_per_s=1_000.0,
         decode_tokens_per_s=100.0,
-        decode_tokens_by_rank={1: 300, 2: 900},
-        slot_waits=((-math.inf, 3_000.0), (2, 8_000.0)),
+        decode_tokens_by_rank={1: 30, 2: 90},  # half of 120 tokens at 100/s: 600 ms
+        release_ms=(3_000.0, 4_000.0, 9_000.0),
+        preemptible=(({2: 1}, math.inf), ({1: 5}, 1)),
     )
-    assert full.slot_wait_ms(0) == full.slot_wait_ms(1) == 0.0
-    assert full.slot_wait_ms(2) == 3_000.0
-    # Rank 2's own decode ahead (half of 1,200 tokens at 100/s) exceeds the slot wait.
-    assert predict_ttft_ms(work, 100, full, config, rank=2) == pytest.approx(100.0 + 6_000.0)
-    only_w1 = FleetCapacity(1, 1_000.0, 100.0, slot_waits=((-math.inf, 3_000.0),))
-    # No decode of its rank or better ahead: a priority job still waits for the slot.
-    assert predict_ttft_ms(work, 100, only_w1, config, rank=0) == pytest.approx(3_100.0)
-    # A slot free: nobody waits for one.
-    free = FleetCapacity(1, 1_000.0, 100.0, num_free_seqs=1, slot_waits=((-math.inf, 0.0),))
-    assert predict_ttft_ms(work, 100, free, config, rank=0) == pytest.approx(100.0)
-    # A worker that does not say (an older version) is taken to wait for none.
-    assert FleetCapacity(1, 1_000.0, 100.0).slot_wait_ms(0) == 0.0
+    assert [full.num_preemptible_seqs(rank) for rank in (0, 1, 2)] == [6, 1, 0]
+
+    def ttft(num_jobs: int, rank: int, capacity: FleetCapacity = full) -> float:
+        work = WorkAhead(num_prefill_tokens=0.0, num_decode_tokens=0.0, num_jobs=num_jobs)
+        return predict_ttft_ms(work, 100, capacity, config, rank=rank)
+
+    # Rank 1 preempts the rank-2 sequence; the next rank-1 job waits for a release.
+    assert ttft(0, rank=1) == pytest.approx(100.0)
+    assert ttft(1, rank=1) == pytest.approx(3_100.0)
+    # Rank 2 may preempt nothing: the k-th job without a slot takes the k-th release,
+    # and past the reported ones they come at their average pace.
+    assert [ttft(k, rank=2) for k in range(3)] == pytest.approx([3_100.0, 4_100.0, 9_100.0])
+    assert ttft(5, rank=2) == pytest.approx(100.0 + 9_000.0 * 6 / 3)
+    # A slot free: nobody waits for one; nothing running: nothing to wait for.
+    assert ttft(0, rank=2, capacity=FleetCapacity(1, 1_000.0, 100.0, num_free_seqs=1)) == 100.0
+    idle = FleetCapacity(1, 1_000.0, 100.0, release_ms=())
+    assert ttft(3, rank=2, capacity=idle) == pytest.approx(100.0)
+    # The releases are a floor under the decode ahead of the job's rank, not instead.
+    long_decodes = replace(full, decode_tokens_by_rank={2: 2_000})
+    assert ttft(0, rank=2, capacity=long_decodes) == pytest.approx(100.0 + 10_000.0)
+    # A fleet with a worker that does not report releases counts decodes ahead alone.
+    legacy = FleetCapacity(1, 1_000.0, 100.0, decode_tokens_by_rank={1: 300})
+    assert ttft(0, rank=1, capacity=legacy) == pytest.approx(100.0 + 1000.0 * 0.5 * 300 / 100)
 
 
 async def test_engines_full_of_work_that_may_not_be_preempted_refuse_a_better_rank(
-    backend, make_job
+    backend, make_job, clock
 ) -> None:
     # Every slot held by interactive work, which may not be preempted: a priority job
     # waits for the first of them to end. Its own rank's decode ahead is none, and it
     # was admitted at its prefill's TTFT and served 20 s later, against a 500 ms SLO.
     await backend.configure_tiers([PRIORITY, INTERACTIVE, BATCH])
 
-    async def report(displacing_rank_bound: float) -> None:
+    async def report(preemptible_by_rank: dict[int, int]) -> None:
         await backend.publish_capacity(
             "w1",
             prefill_tokens_per_s=1_000.0,
             decode_tokens_per_s=100.0,
             ttl_ms=60_000,
             decode_tokens_by_rank={1: 4_000},
-            slot_wait_ms=2_000.0,
-            displacing_rank_bound=displacing_rank_bound,
+            release_ms=[2_000.0, 2_500.0],
+            preemptible_by_rank=preemptible_by_rank,
         )
 
-    await report(-math.inf)
+    await report({})
     [worker] = await backend.worker_reports()
-    assert (worker.slot_wait_ms, worker.displacing_rank_bound) == (2_000.0, -math.inf)
+    assert (worker.release_ms, worker.num_preemptible_seqs) == ((2_000.0, 2_500.0), 0)
     vip = make_job("vip", "priority", num_prompt_tokens=100)
     with pytest.raises(SloUnattainableError) as refused:
         await admit(backend, vip, PRIORITY)
     assert refused.value.predicted_ttft_ms == pytest.approx(2_100.0)
     # Retry-After: when the slot has freed, the job fits again.
     assert refused.value.retry_after_ms == pytest.approx(1_600.0, abs=1)
-    # Had the engine run preemptible batch work, the priority job would displace it.
-    await report(2)
+    # The releases come nearer as the report ages, as the wait does.
+    clock.advance(1_000)
+    with pytest.raises(SloUnattainableError) as later:
+        await admit(backend, vip, PRIORITY)
+    assert later.value.retry_after_ms == pytest.approx(600.0, abs=1)
+    # Had the engine run preemptible batch work, the priority job would displace it;
+    # the one queued after it finds nothing left to displace and waits for a release.
+    await report({2: 1})
     assert await admit(backend, vip, PRIORITY) == pytest.approx(100.0)
+    second = make_job("vip2", "priority", num_prompt_tokens=100)
+    with pytest.raises(SloUnattainableError) as behind:
+        await admit(backend, second, PRIORITY)
+    assert behind.value.predicted_ttft_ms == pytest.approx(100.0 + 100.0 + 2_000.0)
 
 
 async def test_slo_unattainable_then_feasible_after_retry_after(backend, make_job) -> None:

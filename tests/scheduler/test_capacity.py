@@ -50,7 +50,7 @@ def test_step_scheduler_backlog_counts_unprefilled_and_left_to_generate_by_rank(
     assert backlog.decode_tokens_by_rank == {0: 4, 2: 11}
 
 
-def test_step_scheduler_backlog_says_when_a_slot_frees_and_who_need_not_wait() -> None:
+def test_step_scheduler_backlog_says_when_slots_free_and_what_may_be_preempted() -> None:
     config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_prefill_chunk_tokens=64)
     scheduler = StepScheduler(config, BlockManager(64, 4))
 
@@ -59,37 +59,22 @@ def test_step_scheduler_backlog_says_when_a_slot_frees_and_who_need_not_wait() -
             if chunk.produces_token:
                 chunk.request.output_token_ids.append(7)
 
-    scheduler.add(_request("bulk", 2, 4, 9))
+    assert scheduler.backlog().running_left == ()
+    scheduler.add(_request("bulk", 2, 4, 9))  # ignore_eos: it ends only at max_tokens
+    chat = Request("chat", [1, 2, 3], SamplingParams(max_tokens=5), Priority(1, preemptible=False))
+    scheduler.add(chat)  # may stop early (end of sequence)
+    run_step()
     run_step()
     backlog = scheduler.backlog()
-    assert backlog.steps_to_free_seq == 0  # a slot is free: nobody waits for one
-    # Preemptible batch work runs: better ranks may displace it, not its own.
-    assert backlog.displacing_rank_bound == 2
-    chat = Request("chat", [1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True))
-    chat.priority = Priority(rank=1, preemptible=False)
-    scheduler.add(chat)
-    run_step()
-    run_step()
-    # Full: the first slot frees when chat has made its 5 tokens (3 to go) at the latest.
-    backlog = scheduler.backlog()
-    assert backlog.steps_to_free_seq == 3
-    assert backlog.displacing_rank_bound == 2
-    # A better rank waiting inside the engine goes first: nobody displaces past it.
+    assert sorted(backlog.running_left) == [(3, False), (7, True)]
+    # Preemptible batch work runs: ranks better than 2 may displace it.
+    assert backlog.preemptible_by_rank == {2: 1}
+    assert backlog.best_waiting_rank == math.inf
+    # A better rank waiting inside the engine goes first: it is the best rank waiting.
     scheduler.add(_request("vip", 0, 4, 2))
-    assert scheduler.backlog().displacing_rank_bound == 0
-    scheduler.abort("bulk")
-    run_step()  # vip takes bulk's slot; chat is not preemptible
     backlog = scheduler.backlog()
-    assert backlog.steps_to_free_seq == 1  # vip's 2 tokens, one made
-    assert backlog.displacing_rank_bound == 0  # no rank is better than vip's
-    scheduler.abort("vip")
-    assert scheduler.backlog().steps_to_free_seq == 0
-    scheduler.add(Request("chat2", [1, 2], SamplingParams(max_tokens=9), chat.priority))
-    run_step()
-    backlog = scheduler.backlog()
-    # Full of work that may not be preempted: every rank waits for a slot to free.
-    assert backlog.displacing_rank_bound == -math.inf
-    assert backlog.steps_to_free_seq == 1  # chat's 5 tokens, 4 made
+    assert backlog.best_waiting_rank == 0
+    assert len(backlog.running_left) == 2  # waiting requests hold no slot
 
 
 async def test_fleet_sums_backlog_per_rank_over_live_workers(backend, clock) -> None:
@@ -177,13 +162,14 @@ async def test_dispatcher_publishes_its_engines_backlog(engine) -> None:
         assert 0 < fleet.decode_tokens_by_rank[2] < 120
         assert set(fleet.decode_tokens_by_rank) == {2}
         assert fleet.num_free_seqs == 0
-        # Its one slot frees when the job ends, at the latest after its max_tokens, at
-        # the engine's step time; a better rank may preempt it and waits for nothing.
+        # Its one slot frees when the job ends (ignore_eos: at its max_tokens), at the
+        # engine's step time; a better rank may preempt it and waits for nothing.
         [report] = await backend.worker_reports()
-        assert report.displacing_rank_bound == 2
-        assert 0 < report.slot_wait_ms <= 1000.0 * 120 / report.decode_tokens_per_s
-        assert fleet.slot_wait_ms(2) == report.slot_wait_ms
-        assert fleet.slot_wait_ms(1) == 0.0
+        assert report.num_preemptible_seqs == 1
+        [release_ms] = report.release_ms
+        assert 0 < release_ms <= 1000.0 * 120 / report.decode_tokens_per_s
+        assert fleet.release_ms == (release_ms,)
+        assert (fleet.num_preemptible_seqs(1), fleet.num_preemptible_seqs(2)) == (1, 0)
         assert await jobs.cancel("long")
         for _ in range(250):  # the engine thread publishes stats after its next step
             stats = engine.stats()
@@ -195,7 +181,7 @@ async def test_dispatcher_publishes_its_engines_backlog(engine) -> None:
         assert dict(fleet.decode_tokens_by_rank) == {}
         assert dict(fleet.unprefilled_tokens_by_rank) == {}
         assert fleet.num_free_seqs == 1
-        assert fleet.slot_wait_ms(2) == 0.0
+        assert fleet.release_ms == ()
     finally:
         await dispatcher.aclose(0)
         await jobs.aclose()
