@@ -142,6 +142,8 @@ class RankBacklog:
     decode_tokens_by_rank: dict[int, int] = field(default_factory=dict)
     # Per running request, (tokens its max_tokens still allows, whether it can only end
     # there): when the slots free, for a newcomer that finds none (scheduler.slot_release).
+    # Empty while a slot (and blocks) is free: a newcomer then waits for no release, only
+    # for the prefill ahead of it, even with requests waiting here for prefill budget.
     running_left: tuple[tuple[int, bool], ...] = ()
     # Running preemptible requests per rank, and the best rank waiting here: a newcomer
     # of a rank better than both displaces one of those at once (displacing_rank_bound).
@@ -244,13 +246,16 @@ class StepScheduler:
             if request.priority.preemptible:
                 rank = request.priority.rank
                 preemptible[rank] = preemptible.get(rank, 0) + 1
+        running_left = ()
+        if not self._has_room():
+            running_left = tuple(
+                (r.params.max_tokens - r.num_output_tokens, not r.params.can_stop_early)
+                for r in self._running
+            )
         return RankBacklog(
             unprefilled,
             decode,
-            tuple(
-                (r.params.max_tokens - r.num_output_tokens, not r.params.can_stop_early)
-                for r in self._running
-            ),
+            running_left,
             preemptible,
             min((r.priority.rank for r in self._waiting), default=math.inf),
             waiting,
@@ -272,13 +277,17 @@ class StepScheduler:
         when it would displace running preemptible work of a worse rank and nothing of
         its rank or better is waiting.
         """
-        has_room = (
-            len(self._running) < self.config.max_num_seqs
-            and self.block_manager.num_free_blocks > self.config.watermark_blocks
-        )
+        has_room = self._has_room()
         if has_room and not any(r.status is RequestStatus.WAITING for r in self._waiting):
             return True
         return rank is not None and rank < self.displacing_rank_bound()
+
+    def _has_room(self) -> bool:
+        """A sequence slot is free and free blocks exceed the watermark."""
+        return (
+            len(self._running) < self.config.max_num_seqs
+            and self.block_manager.num_free_blocks > self.config.watermark_blocks
+        )
 
     def displacing_rank_bound(self) -> float:
         """The ranks below this one may displace running work now (can_accept(rank) is

@@ -61,12 +61,14 @@ def test_step_scheduler_backlog_says_when_slots_free_and_what_may_be_preempted()
 
     assert scheduler.backlog().running_left == ()
     scheduler.add(_request("bulk", 2, 4, 9))  # ignore_eos: it ends only at max_tokens
+    run_step()
+    # A slot is still free: a newcomer waits for no release.
+    assert scheduler.backlog().running_left == ()
     chat = Request("chat", [1, 2, 3], SamplingParams(max_tokens=5), Priority(1, preemptible=False))
     scheduler.add(chat)  # may stop early (end of sequence)
     run_step()
-    run_step()
     backlog = scheduler.backlog()
-    assert sorted(backlog.running_left) == [(3, False), (7, True)]
+    assert sorted(backlog.running_left) == [(4, False), (7, True)]
     # Preemptible batch work runs: ranks better than 2 may displace it.
     assert backlog.preemptible_by_rank == {2: 1}
     assert backlog.best_waiting_rank == math.inf
