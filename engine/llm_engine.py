@@ -368,7 +368,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         scheduler_stats = self.scheduler.stats
-        backlog = self.scheduler.backlog()
+        backlog = self.scheduler.backlog(self._stop_hazard.per_token)
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,

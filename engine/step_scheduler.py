@@ -33,6 +33,7 @@ from engine.block_manager import BlockManager
 from engine.cost_model import StepCostModel
 from engine.errors import ContextLengthExceededError, InvalidRequestError
 from engine.request import FinishReason, Request, RequestStatus
+from engine.stop_hazard import expected_tokens_left
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,8 @@ class RankBacklog:
     # Tokens still to compute before a request's next token: prompts of waiting and
     # partly prefilled requests, and the recompute of preempted ones.
     unprefilled_tokens_by_rank: dict[int, int] = field(default_factory=dict)
-    # Tokens the held requests may still generate (max_tokens left), as queued jobs count.
+    # Tokens the held requests may still generate: max_tokens left, as queued jobs count,
+    # or for a request that may stop early what it is expected to (StepScheduler.backlog).
     decode_tokens_by_rank: dict[int, int] = field(default_factory=dict)
     # Per running request, (tokens its max_tokens still allows, whether it can only end
     # there): when the slots free, for a newcomer that finds none (scheduler.slot_release).
@@ -227,8 +229,12 @@ class StepScheduler:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
-    def backlog(self) -> RankBacklog:
-        """Unprefilled and still-to-generate tokens of every held request, by rank."""
+    def backlog(self, stop_hazard: float = 0.0) -> RankBacklog:
+        """Unprefilled and still-to-generate tokens of every held request, by rank. With
+        the engine's measured `stop_hazard`, a request that may stop early counts the
+        tokens it is expected to generate (expected_tokens_left), not all its max_tokens
+        allows: chats limited to 1,500 tokens and stopping after 200 counted as 1,500
+        each, and refused interactive requests for seconds of decoding that never came."""
         unprefilled: dict[int, int] = {}
         decode: dict[int, int] = {}
         for request in self._requests.values():
@@ -237,6 +243,8 @@ class StepScheduler:
                 num = request.num_tokens - request.num_computed_tokens
                 unprefilled[rank] = unprefilled.get(rank, 0) + num
             left = request.params.max_tokens - request.num_output_tokens
+            if request.params.can_stop_early:
+                left = round(expected_tokens_left(left, stop_hazard))
             decode[rank] = decode.get(rank, 0) + left
         waiting: dict[int, int] = {}
         for request in self._waiting:

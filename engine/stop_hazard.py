@@ -13,6 +13,17 @@ HALF_LIFE_TOKENS = 4096
 MIN_TOKENS = 256
 
 
+def expected_tokens_left(max_left: int, stop_hazard: float) -> float:
+    """The tokens a request that may stop early is expected to generate, of the
+    `max_left` its max_tokens allows, stopping at each with probability `stop_hazard`
+    (0: not measured, all of them)."""
+    if stop_hazard <= 0 or max_left <= 0:
+        return float(max(max_left, 0))
+    if stop_hazard >= 1:
+        return 1.0
+    return (1.0 - (1.0 - stop_hazard) ** max_left) / stop_hazard
+
+
 class StopHazard:
     """Stops per generated token of requests able to stop early, exponentially weighted."""
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.stop_hazard import HALF_LIFE_TOKENS, MIN_TOKENS, StopHazard
+from engine.stop_hazard import HALF_LIFE_TOKENS, MIN_TOKENS, StopHazard, expected_tokens_left
 
 PROMPT = [17, 240, 33, 501, 12, 9]
 
@@ -22,6 +22,14 @@ def test_stops_per_token_weighted_towards_recent_requests() -> None:
         hazard.record(HALF_LIFE_TOKENS, 0)
     assert hazard.per_token < 1e-6
     hazard.record(0, 0)  # a step of nothing that may stop changes nothing
+
+
+def test_expected_tokens_left_of_a_request_that_may_stop_early() -> None:
+    assert expected_tokens_left(1_500, 0.0) == 1_500  # unmeasured: all it may
+    assert expected_tokens_left(1_500, 1 / 200) == pytest.approx(200 * (1 - (1 - 1 / 200) ** 1_500))
+    assert expected_tokens_left(3, 1 / 200) == pytest.approx(2.985, abs=1e-3)  # the bound binds
+    assert expected_tokens_left(0, 0.1) == 0.0
+    assert expected_tokens_left(10, 1.0) == 1.0
 
 
 def test_the_engine_measures_early_stops_and_ignores_requests_that_cannot_stop() -> None:

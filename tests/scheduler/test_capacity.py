@@ -72,6 +72,12 @@ def test_step_scheduler_backlog_says_when_slots_free_and_what_may_be_preempted()
     # Preemptible batch work runs: ranks better than 2 may displace it.
     assert backlog.preemptible_by_rank == {2: 1}
     assert backlog.best_waiting_rank == math.inf
+    # With a measured stop hazard, the chat (which may stop early) counts the tokens it
+    # is expected to make; bulk, which cannot stop early, all it may.
+    assert backlog.decode_tokens_by_rank == {1: 4, 2: 7}
+    hazard = 0.25  # one stop in 4 tokens
+    expected_chat = (1 - (1 - hazard) ** 4) / hazard
+    assert scheduler.backlog(hazard).decode_tokens_by_rank == {1: round(expected_chat), 2: 7}
     # A better rank waiting inside the engine goes first: it is the best rank waiting.
     scheduler.add(_request("vip", 0, 4, 2))
     backlog = scheduler.backlog()
