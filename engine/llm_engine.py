@@ -111,6 +111,8 @@ class _Tracked:
     text_pieces: list[str] = field(default_factory=list)  # the non-empty deltas sent
     # The request asks for its prompt's log-probabilities and they are not sent yet.
     owes_prompt_logprobs: bool = False
+    # SamplingParams.can_stop_early, read once: every step asks it of every token.
+    can_stop_early: bool = True
 
     def output(
         self,
@@ -279,7 +281,10 @@ class LLMEngine:
         for num_output, token in enumerate(resumed_token_ids, 1):
             detokenizer.add([token], is_last=False, check_stop=num_output >= params.min_tokens)
         self._tracked[request_id] = _Tracked(
-            request, detokenizer, owes_prompt_logprobs=params.prompt_logprobs is not None
+            request,
+            detokenizer,
+            owes_prompt_logprobs=params.prompt_logprobs is not None,
+            can_stop_early=params.can_stop_early,
         )
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -345,7 +350,7 @@ class LLMEngine:
             )
             if delta.stopped:
                 reason = FinishReason.STOP
-            if params.can_stop_early:
+            if tracked.can_stop_early:
                 num_may_stop += 1
                 num_stopped += reason is FinishReason.STOP
             if reason is not None:
