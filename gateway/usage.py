@@ -93,8 +93,9 @@ def billed_tokens(
 class UsageRecord:
     """One request's outcome and cost drivers.
 
-    outcome is "ok", "error", "aborted" (client went away) or "rejected:<code>" (refused
-    at admission, e.g. "rejected:rate_limit_exceeded"). created_at is aware UTC.
+    outcome is "ok", "error", "aborted" (client went away), "rejected:<code>" (refused
+    at admission, e.g. "rejected:rate_limit_exceeded") or "invalid:<code>" (the client's
+    own mistake, errors.unserved_outcome). created_at is aware UTC.
     """
 
     request_id: str

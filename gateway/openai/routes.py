@@ -364,9 +364,9 @@ class OpenAIRoutes:
             raise InvalidRequestError(
                 f"Unknown service_tier {requested!r}.", param="service_tier"
             ) from None
-        # Lower means a worse rank: another tier of the key's own rank is not lower, and
-        # let a tenant pick any price, SLO and share of its rank (an admin-made tier with
-        # no prices billed a tenant nothing).
+        # Lower means a worse rank. Another tier of the key's own rank is not lower:
+        # taken as lower, it let a tenant pick any price, SLO and share of its rank (an
+        # admin-made tier with no prices billed it nothing).
         if tier.rank <= principal.tier.rank:
             raise PermissionDeniedError(
                 f"service_tier {requested!r} is not below this key's tier "
