@@ -265,7 +265,7 @@ class StepScheduler:
             decode,
             running_left,
             preemptible,
-            min((r.priority.rank for r in self._waiting), default=math.inf),
+            min(waiting, default=math.inf),
             waiting,
         )
 

@@ -48,8 +48,8 @@ from gateway.db.models import Tier, UsageHourly, UsageRow
 from gateway.observability.slo import (
     INVALID_PREFIX,
     SloTargets,
+    billed_tokens,
     is_invalid,
-    is_prompt_served,
     is_slo_met,
     tpot_ms,
 )
@@ -66,7 +66,7 @@ class TokenPrices:
 
     def cost(self, input_tokens: int, output_tokens: int) -> float:
         """The price of that many tokens, in the currency of the prices."""
-        return (input_tokens * self.input_per_mtok + output_tokens * self.output_per_mtok) / 1e6
+        return self.cost_nanos(input_tokens, output_tokens) / 1e9
 
     def cost_nanos(self, input_tokens: int, output_tokens: int) -> int:
         """cost() in billionths of the currency, rounded: what usage_records.cost_nanos
@@ -77,16 +77,6 @@ class TokenPrices:
         # Half away from zero, as SQL's round() prices rows in migration 0008 and
         # rebuild_usage_rollup (Python's round() goes to even).
         return math.floor(input_tokens * price_in + output_tokens * price_out + 0.5)
-
-
-def billed_tokens(
-    outcome: str, queue_wait_ms: float | None, prompt_tokens: int, completion_tokens: int
-) -> tuple[int, int]:
-    """(input, output) tokens a request is billed for: its prompt once it was admitted and
-    left the queue (is_prompt_served), its output unless it was refused (a queue timeout
-    of a request whose other choices ran reached nobody)."""
-    served_in = prompt_tokens if is_prompt_served(outcome, queue_wait_ms) else 0
-    return served_in, 0 if outcome.startswith("rejected:") else completion_tokens
 
 
 @dataclass(frozen=True)
@@ -294,6 +284,13 @@ def prompt_served_sql(columns: Any) -> ColumnElement[bool]:
     return and_(~columns.outcome.like("rejected:%"), columns.queue_wait_ms.is_not(None))
 
 
+def billed_tokens_sql(columns: Any) -> tuple[ColumnElement[int], ColumnElement[int]]:
+    """billed_tokens in SQL over usage_records' `columns`: (input, output) of each row."""
+    served_in = case((prompt_served_sql(columns), columns.prompt_tokens), else_=0)
+    served_out = case((~columns.outcome.like("rejected:%"), columns.completion_tokens), else_=0)
+    return served_in, served_out
+
+
 def _slo_met_sql() -> ColumnElement[bool]:
     """is_record_slo_met in SQL against the tiers as they are now (migration 0005 holds
     its own copy: a migration never changes with the code)."""
@@ -324,8 +321,7 @@ def _cost_nanos_sql() -> ColumnElement[int]:
     def price(column: Any) -> Any:
         return func.coalesce(select(column).where(t.name == u.tier).scalar_subquery(), 0.0)
 
-    served_in = case((prompt_served_sql(u), u.prompt_tokens), else_=0)
-    served_out = case((~u.outcome.like("rejected:%"), u.completion_tokens), else_=0)
+    served_in, served_out = billed_tokens_sql(u)
     price_in, price_out = price(t.price_input_per_mtok), price(t.price_output_per_mtok)
     return cast(func.round(served_in * price_in * 1000 + served_out * price_out * 1000), BigInteger)
 
@@ -365,8 +361,11 @@ async def rebuild_usage_rollup(session: AsyncSession, start: datetime, end: date
     await session.execute(delete(h).where(h.c.hour >= first, h.c.hour < last))
     refused = u.c.outcome.like("rejected:%")
 
-    def total_if(condition: ColumnElement, value: Any = 1) -> ColumnElement:
-        return func.coalesce(func.sum(case((condition, value), else_=0)), 0)
+    def total(value: ColumnElement) -> ColumnElement:
+        return func.coalesce(func.sum(value), 0)
+
+    def total_if(condition: ColumnElement) -> ColumnElement:
+        return total(case((condition, 1), else_=0))
 
     hour = _hour_sql(dialect, u.c.created_at).label("hour")
     sums = (
@@ -377,10 +376,9 @@ async def rebuild_usage_rollup(session: AsyncSession, start: datetime, end: date
             func.count(),
             total_if(refused),
             total_if(u.c.outcome == "aborted"),
-            total_if(prompt_served_sql(u.c), u.c.prompt_tokens),
-            total_if(~refused, u.c.completion_tokens),
+            *(total(billed) for billed in billed_tokens_sql(u.c)),
             total_if(u.c.slo_met),
-            func.coalesce(func.sum(u.c.cost_nanos), 0),
+            total(u.c.cost_nanos),
         )
         .where(in_range, summed_sql(u.c))
         .group_by(literal_column("hour"), u.c.tenant_id, u.c.tier)

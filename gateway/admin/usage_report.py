@@ -37,7 +37,7 @@ from sqlalchemy.ext.asyncio import async_sessionmaker
 from sqlalchemy.sql.elements import ColumnElement
 
 from gateway.db.models import UsageHourly, UsageRow
-from gateway.usage import ROLLUP_COUNTS, hour_of, prompt_served_sql, summed_sql
+from gateway.usage import ROLLUP_COUNTS, billed_tokens_sql, hour_of, summed_sql
 
 GROUPINGS = {"hour": timedelta(hours=1), "day": timedelta(days=1)}
 _WORK_MEM = "64MB"
@@ -111,9 +111,10 @@ def _from_records(dialect: str, query: UsageQuery, start: datetime, end: datetim
     u = UsageRow
     refused = u.outcome.like("rejected:%")
 
-    def one_if(condition: ColumnElement, value: ColumnElement | int = 1) -> ColumnElement:
-        return case((condition, value), else_=0)
+    def one_if(condition: ColumnElement) -> ColumnElement:
+        return case((condition, 1), else_=0)
 
+    input_tokens, output_tokens = billed_tokens_sql(u)
     statement = select(
         _period(dialect, query.group_by, u.created_at).label("period"),
         u.tenant_id,
@@ -121,8 +122,8 @@ def _from_records(dialect: str, query: UsageQuery, start: datetime, end: datetim
         literal(1, BigInteger).label("requests"),
         one_if(refused).label("refusals"),
         one_if(u.outcome == "aborted").label("aborted"),
-        one_if(prompt_served_sql(u), u.prompt_tokens).label("input_tokens"),
-        one_if(~refused, u.completion_tokens).label("output_tokens"),
+        input_tokens.label("input_tokens"),
+        output_tokens.label("output_tokens"),
         one_if(u.slo_met).label("slo_met"),
         func.coalesce(u.cost_nanos, 0).label("cost_nanos"),
     ).where(u.created_at >= start, u.created_at < end, summed_sql(u))

@@ -38,6 +38,17 @@ def is_prompt_served(outcome: str, queue_wait_ms: float | None) -> bool:
     return queue_wait_ms is not None and not outcome.startswith("rejected:")
 
 
+def billed_tokens(
+    outcome: str, queue_wait_ms: float | None, prompt_tokens: int, completion_tokens: int
+) -> tuple[int, int]:
+    """(input, output) tokens a request is billed for, as the usage report, the token
+    metrics and the tenant's TPM refund count them: its prompt once it was admitted and
+    left the queue (is_prompt_served), its output unless it was refused (a queue timeout
+    of a request whose other choices ran reached nobody)."""
+    served_in = prompt_tokens if is_prompt_served(outcome, queue_wait_ms) else 0
+    return served_in, 0 if outcome.startswith("rejected:") else completion_tokens
+
+
 def tpot_ms(e2e_ms: float, ttft_ms: float | None, num_output_tokens: int) -> float | None:
     """Time per output token after the first: (E2E - TTFT) / (output tokens - 1). For a
     request with several choices, which decode side by side, the output tokens are its

@@ -37,8 +37,8 @@ from gateway.observability.histograms import (
 from gateway.observability.slo import (
     RecentOutcomes,
     SloTargets,
+    billed_tokens,
     is_invalid,
-    is_prompt_served,
     is_slo_met,
     tpot_ms,
 )
@@ -404,9 +404,9 @@ class Telemetry:
         is_met = is_slo_met(targets, is_ok=is_ok, ttft_ms=record.ttft_ms, tpot_ms=tpot)
         # Tokens as the usage report bills them: a prompt refused, or left in the queue,
         # was never processed; a refused request's output reached nobody.
-        is_served = is_prompt_served(outcome, record.queue_wait_ms)
-        num_input_tokens = record.prompt_tokens if is_served else 0
-        num_output_tokens = 0 if refusal_code is not None else record.completion_tokens
+        num_input_tokens, num_output_tokens = billed_tokens(
+            outcome, record.queue_wait_ms, record.prompt_tokens, record.completion_tokens
+        )
         self.recent.add(
             tier=record.tier,
             tenant_id=record.tenant_id,

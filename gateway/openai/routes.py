@@ -43,7 +43,7 @@ from gateway.errors import (
 )
 from gateway.middleware import request_id_of
 from gateway.observability import Telemetry
-from gateway.observability.slo import is_prompt_served
+from gateway.observability.slo import billed_tokens
 from gateway.openai.choices import CollectedChoice, RequestPlan, choice_jobs, merge_choices
 from gateway.openai.echo import echoed_prompt
 from gateway.openai.exchange import Exchange, tier_slo
@@ -657,12 +657,10 @@ class OpenAIRoutes:
             # As the usage report bills: nothing for a refusal (a queue timeout, even of
             # a request with choices that ran), no prompt never served (its client left
             # while it was queued).
-            used = 0
-            if not outcome.startswith("rejected:"):
-                used = exchange.num_completion_tokens
-            if is_prompt_served(outcome, record.queue_wait_ms):
-                used += exchange.num_prompt_tokens
-            self.deps.admission.release_soon(exchange.reservation, used)
+            used = billed_tokens(
+                outcome, record.queue_wait_ms, record.prompt_tokens, record.completion_tokens
+            )
+            self.deps.admission.release_soon(exchange.reservation, sum(used))
             exchange.reservation = None
         self.deps.usage.record(record)
         if self.deps.telemetry is not None:
