@@ -35,8 +35,11 @@ Families (after the prefix):
                           work its engine holds per rank (JSON fields) and its free
                           sequence slots (`num_free_seqs`: less the jobs leased since
                           it reported, plus those of them that ended, marked `sl` in
-                          their job hash); for operators also its running and waiting
-                          sequences, KV-cache use and when it reported (`reported_at_ms`)
+                          their job hash), the slot releases it expects, its running
+                          preemptible and its waiting sequences per rank
+                          (scheduler.slot_release; admission ages the releases by
+                          `reported_at_ms`); for operators also its running and waiting
+                          sequences, KV-cache use and when it reported
 - `rl:<tenant>`           hash, a tenant's RPM and TPM bucket levels
 - `rl_inflight:<tenant>`  sorted set, reservation id -> ms when it lapses (concurrency)
 - `gateway:<gateway>`     string, a gateway's presence: `up` while it renews it (a TTL of
