@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sqlite3
+import time
+
 from sqlalchemy import event
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
@@ -24,12 +27,35 @@ def create_db_engine(database_url: str) -> AsyncEngine:
     def _sqlite_pragmas(dbapi_connection, _record) -> None:
         cursor = dbapi_connection.cursor()
         cursor.execute("PRAGMA foreign_keys=ON")
-        cursor.execute("PRAGMA busy_timeout=5000")
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
         if is_file:
-            cursor.execute("PRAGMA journal_mode=WAL")
+            _switch_to_wal(cursor)
         cursor.close()
 
     return engine
+
+
+SQLITE_BUSY_TIMEOUT_MS = 5000
+
+
+def _switch_to_wal(cursor) -> None:
+    """Switch a file database to WAL, retrying while another connection holds it.
+
+    A fresh (empty) file is not yet WAL on disk, so every connection switches it, and two
+    that race for the exclusive lock the switch needs can deadlock: SQLite then fails one
+    at once with 'database is locked' without calling the busy handler (two `tiergate
+    migrate` or `serve` started together on a new data dir). Retrying after the other
+    finishes succeeds, so retry for as long as the busy timeout would have waited.
+    """
+    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.01)
 
 
 def create_sessionmaker(engine: AsyncEngine) -> async_sessionmaker:
