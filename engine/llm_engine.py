@@ -23,7 +23,7 @@ from engine.models import load_model
 from engine.phase_rates import PhaseRates
 from engine.request import FinishReason, Priority, Request, SamplingParams, TokenLogprob
 from engine.step_scheduler import SchedulerConfig, StepPlan, StepScheduler
-from engine.stop_hazard import StopHazard
+from engine.stop_hazard import StopCurve, StopHazard, age_bucket, new_step_counts
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -97,11 +97,13 @@ class EngineStats:
     decode_tokens_by_rank: dict[int, int] = field(default_factory=dict)
     # When the slots free, and who need not wait for one (RankBacklog): workers publish
     # them for SLO admission (scheduler.slot_release).
-    running_left: tuple[tuple[int, bool], ...] = ()
+    running_left: tuple[tuple[int, int, bool], ...] = ()
     preemptible_by_rank: dict[int, int] = field(default_factory=dict)
     best_waiting_rank: float = math.inf
     waiting_by_rank: dict[int, int] = field(default_factory=dict)
     stop_hazard: float = 0.0  # per token, of requests able to stop early (0: unmeasured)
+    # The same by age (tokens made so far): what running_left's requests are expected to do.
+    stop_curve: StopCurve = field(default_factory=StopCurve)
 
 
 @dataclass
@@ -321,7 +323,8 @@ class LLMEngine:
         outputs = []
         now_s = time.monotonic()
         eos_ids = self.tokenizer.eos_token_ids
-        num_may_stop = num_stopped = 0  # tokens of requests able to stop early; stops
+        # Per age bucket: tokens of requests able to stop early, and stops among them.
+        step_tokens, step_stops = new_step_counts(), new_step_counts()
         for chunk, token in zip(plan.chunks, tokens, strict=True):
             tracked = self._tracked.get(chunk.request.request_id)
             if token is None or tracked is None:
@@ -351,8 +354,10 @@ class LLMEngine:
             if delta.stopped:
                 reason = FinishReason.STOP
             if tracked.can_stop_early:
-                num_may_stop += 1
-                num_stopped += reason is FinishReason.STOP
+                bucket = age_bucket(request.num_output_tokens - 1)
+                step_tokens[bucket] += 1
+                if reason is FinishReason.STOP:
+                    step_stops[bucket] += 1
             if reason is not None:
                 self.scheduler.finish(request, reason)
                 del self._tracked[request.request_id]
@@ -361,7 +366,7 @@ class LLMEngine:
             if logprob is not None:
                 new_logprobs = (replace(logprob, num_text_chars=len(delta.text)),)
             outputs.append(tracked.output([token], delta.text, reason, new_logprobs))
-        self._stop_hazard.record(num_may_stop, num_stopped)
+        self._stop_hazard.record(step_tokens, step_stops)
         return outputs
 
     def _record(self, plan: StepPlan, elapsed_s: float) -> None:
@@ -373,7 +378,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         scheduler_stats = self.scheduler.stats
-        backlog = self.scheduler.backlog(self._stop_hazard.per_token)
+        backlog = self.scheduler.backlog(self._stop_hazard.curve)
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -393,4 +398,5 @@ class LLMEngine:
             best_waiting_rank=backlog.best_waiting_rank,
             waiting_by_rank=backlog.waiting_by_rank,
             stop_hazard=self._stop_hazard.per_token,
+            stop_curve=self._stop_hazard.curve,
         )

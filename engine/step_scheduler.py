@@ -33,7 +33,7 @@ from engine.block_manager import BlockManager
 from engine.cost_model import StepCostModel
 from engine.errors import ContextLengthExceededError, InvalidRequestError
 from engine.request import FinishReason, Request, RequestStatus
-from engine.stop_hazard import expected_tokens_left
+from engine.stop_hazard import StopCurve
 
 
 @dataclass(frozen=True)
@@ -142,11 +142,12 @@ class RankBacklog:
     # Tokens the held requests may still generate: max_tokens left, as queued jobs count,
     # or for a request that may stop early what it is expected to (StepScheduler.backlog).
     decode_tokens_by_rank: dict[int, int] = field(default_factory=dict)
-    # Per running request, (tokens its max_tokens still allows, whether it can only end
-    # there): when the slots free, for a newcomer that finds none (scheduler.slot_release).
+    # Per running request, (tokens its max_tokens still allows, tokens it has made,
+    # whether it can stop before its max_tokens): when the slots free, for a newcomer
+    # that finds none (scheduler.slot_release, with the engine's measured stop curve).
     # Empty while a slot (and blocks) is free: a newcomer then waits for no release, only
     # for the prefill ahead of it, even with requests waiting here for prefill budget.
-    running_left: tuple[tuple[int, bool], ...] = ()
+    running_left: tuple[tuple[int, int, bool], ...] = ()
     # Running preemptible requests per rank, and the best rank waiting here: a newcomer
     # of a rank better than both displaces one of those at once (displacing_rank_bound).
     preemptible_by_rank: dict[int, int] = field(default_factory=dict)
@@ -229,12 +230,13 @@ class StepScheduler:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
-    def backlog(self, stop_hazard: float = 0.0) -> RankBacklog:
+    def backlog(self, stop_curve: StopCurve | None = None) -> RankBacklog:
         """Unprefilled and still-to-generate tokens of every held request, by rank. With
-        the engine's measured `stop_hazard`, a request that may stop early counts the
-        tokens it is expected to generate (expected_tokens_left), not all its max_tokens
+        the engine's measured `stop_curve`, a request that may stop early counts the
+        tokens it is expected to generate from where it is, not all its max_tokens
         allows: chats limited to 1,500 tokens and stopping after 200 counted as 1,500
         each, and refused interactive requests for seconds of decoding that never came."""
+        curve = stop_curve if stop_curve is not None and stop_curve.is_measured else None
         unprefilled: dict[int, int] = {}
         decode: dict[int, int] = {}
         for request in self._requests.values():
@@ -243,8 +245,8 @@ class StepScheduler:
                 num = request.num_tokens - request.num_computed_tokens
                 unprefilled[rank] = unprefilled.get(rank, 0) + num
             left = request.params.max_tokens - request.num_output_tokens
-            if request.params.can_stop_early:
-                left = round(expected_tokens_left(left, stop_hazard))
+            if curve is not None and request.params.can_stop_early:
+                left = round(curve.expected_tokens_left(request.num_output_tokens, left))
             decode[rank] = decode.get(rank, 0) + left
         waiting: dict[int, int] = {}
         for request in self._waiting:
@@ -257,7 +259,11 @@ class StepScheduler:
         running_left = ()
         if not self._has_room():
             running_left = tuple(
-                (r.params.max_tokens - r.num_output_tokens, not r.params.can_stop_early)
+                (
+                    r.params.max_tokens - r.num_output_tokens,
+                    r.num_output_tokens,
+                    r.params.can_stop_early,
+                )
                 for r in self._running
             )
         return RankBacklog(

@@ -217,7 +217,7 @@ class Dispatcher:
             num_free_seqs=self._num_free_seqs(),
             release_ms=release_times_ms(
                 getattr(snapshot, "running_left", ()),
-                getattr(snapshot, "stop_hazard", 0.0),
+                getattr(snapshot, "stop_curve", None),
                 getattr(snapshot, "num_running", 0),
                 decode,
             ),

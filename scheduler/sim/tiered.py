@@ -156,7 +156,7 @@ class TieredQueue:
                 num_free_seqs=num_free_seqs,
                 # Simulated requests end at their max_tokens: nothing stops them early.
                 release_ms=release_times_ms(
-                    backlog.running_left, 0.0, num_running, decode_tokens_per_s
+                    backlog.running_left, None, num_running, decode_tokens_per_s
                 ),
                 preemptible_by_rank=backlog.preemptible_by_rank,
                 best_waiting_rank=backlog.best_waiting_rank,

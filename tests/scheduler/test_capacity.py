@@ -12,6 +12,7 @@ import pytest
 from engine.block_manager import BlockManager
 from engine.request import Priority, Request, SamplingParams
 from engine.step_scheduler import SchedulerConfig, StepScheduler
+from engine.stop_hazard import NUM_BUCKETS, StopCurve
 from scheduler.dispatcher import Dispatcher, DispatcherConfig
 from scheduler.job import Job
 from scheduler.memory_backend import MemoryBackend
@@ -68,16 +69,18 @@ def test_step_scheduler_backlog_says_when_slots_free_and_what_may_be_preempted()
     scheduler.add(chat)  # may stop early (end of sequence)
     run_step()
     backlog = scheduler.backlog()
-    assert sorted(backlog.running_left) == [(4, False), (7, True)]
+    # (max_tokens left, tokens made, may stop early)
+    assert sorted(backlog.running_left) == [(4, 1, True), (7, 2, False)]
     # Preemptible batch work runs: ranks better than 2 may displace it.
     assert backlog.preemptible_by_rank == {2: 1}
     assert backlog.best_waiting_rank == math.inf
     # With a measured stop hazard, the chat (which may stop early) counts the tokens it
     # is expected to make; bulk, which cannot stop early, all it may.
     assert backlog.decode_tokens_by_rank == {1: 4, 2: 7}
-    hazard = 0.25  # one stop in 4 tokens
+    hazard = 0.25  # one stop in 4 tokens, at every age
     expected_chat = (1 - (1 - hazard) ** 4) / hazard
-    assert scheduler.backlog(hazard).decode_tokens_by_rank == {1: round(expected_chat), 2: 7}
+    curve = StopCurve([hazard] * NUM_BUCKETS)
+    assert scheduler.backlog(curve).decode_tokens_by_rank == {1: round(expected_chat), 2: 7}
     # A better rank waiting inside the engine goes first: it is the best rank waiting.
     scheduler.add(_request("vip", 0, 4, 2))
     backlog = scheduler.backlog()
