@@ -95,12 +95,15 @@ class ChatMessage:
     role: str
     content: str
     name: str | None = None
+    tool_call_id: str | None = None  # the call a tool message answers
 
     def as_template_dict(self) -> dict[str, str]:
         """The shape tokenizer chat templates expect."""
         message = {"role": self.role, "content": self.content}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
@@ -522,7 +525,13 @@ def _messages(data: dict[str, Any]) -> tuple[ChatMessage, ...]:
                     f"{where}.{unsupported} is not supported.", param=f"{where}.{unsupported}"
                 )
         content = _content(item.get("content"), role, f"{where}.content")
-        messages.append(ChatMessage(role, content, _optional(item, "name", str, f"{where}.")))
+        # A tool's answer names the call it answers, as OpenAI requires: templates that
+        # pair calls with answers read it, and without it the answer pairs with nothing.
+        tool_call_id = None
+        if role == "tool":
+            tool_call_id = _required(item, "tool_call_id", str, f"{where}.")
+        name = _optional(item, "name", str, f"{where}.")
+        messages.append(ChatMessage(role, content, name, tool_call_id))
     return tuple(messages)
 
 

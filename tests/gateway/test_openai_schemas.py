@@ -293,6 +293,12 @@ def test_bad_completion_bodies_name_the_param(body: dict, param: str) -> None:
         ([{"role": "user"}], "messages[0].content"),
         ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content[0]"),
         ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content[0].text"),
+        # A tool's answer must name the call it answers (OpenAI: the same 400).
+        (
+            [{"role": "user", "content": "x"}, {"role": "tool", "content": "42"}],
+            "messages[1].tool_call_id",
+        ),
+        ([{"role": "tool", "content": "42", "tool_call_id": 7}], "messages[0].tool_call_id"),
     ],
 )
 def test_bad_chat_messages_name_the_param(messages: object, param: str) -> None:
@@ -405,3 +411,21 @@ def test_vllm_samplers_are_parsed() -> None:
     assert (options.min_p, options.repetition_penalty, options.min_tokens) == (0.1, 1.3, 4)
     plain = parse_completion_request(_body(model="m", prompt="x")).options
     assert (plain.min_p, plain.repetition_penalty, plain.min_tokens) == (0.0, 1.0, 0)
+
+
+def test_a_tool_answer_carries_its_call_id_to_the_chat_template() -> None:
+    parsed = parse_chat_request(
+        _body(
+            model="m",
+            messages=[
+                {"role": "user", "content": "x"},
+                {"role": "tool", "content": "42", "tool_call_id": "call_1"},
+            ],
+        )
+    )
+    assert parsed.messages[1].as_template_dict() == {
+        "role": "tool",
+        "content": "42",
+        "tool_call_id": "call_1",
+    }
+    assert "tool_call_id" not in parsed.messages[0].as_template_dict()
