@@ -463,6 +463,14 @@ def _logit_bias(data: dict[str, Any]) -> tuple[tuple[int, float], ...]:
                 param="logit_bias",
             )
         pairs.append((int(key), bias))
+    ids = [token_id for token_id, _ in pairs]
+    if len(set(ids)) < len(ids):
+        # "5" and "05" are one token: which of two biases was meant cannot be told.
+        twice = min(token_id for token_id in ids if ids.count(token_id) > 1)
+        keys = ", ".join(repr(key) for key in raw if int(key) == twice)
+        raise InvalidRequestError(
+            f"logit_bias names token {twice} more than once ({keys}).", param="logit_bias"
+        )
     return tuple(sorted(pairs))
 
 

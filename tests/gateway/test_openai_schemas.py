@@ -210,6 +210,8 @@ def test_chat_messages_and_max_completion_tokens() -> None:
         ({"model": "m", "prompt": "x", "logit_bias": {" 5": 1}}, "logit_bias"),
         ({"model": "m", "prompt": "x", "logit_bias": {"-5": 1}}, "logit_bias"),
         ({"model": "m", "prompt": "x", "logit_bias": {"\u0665": 1}}, "logit_bias"),
+        # One token twice: which bias was meant cannot be told.
+        ({"model": "m", "prompt": "x", "logit_bias": {"5": 1, "05": -1}}, "logit_bias"),
         ({"model": "m", "prompt": "x", "logit_bias": {"5": 100.5}}, "logit_bias"),
         ({"model": "m", "prompt": "x", "logit_bias": {"5": "1"}}, "logit_bias"),
         ({"model": "m", "prompt": "x", "logit_bias": {"5": None}}, "logit_bias"),
