@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 # Age buckets: [0, 16), [16, 32), [32, 64), ... doubling; the last is open-ended.
 NUM_BUCKETS = 12
-_FIRST_EDGE_BITS = 4  # the first bucket ends at 2**4 tokens
+FIRST_EDGE_BITS = 4  # the first bucket ends at 2**4 tokens
 # Tokens after which an observation weighs half: recent requests, not the first ones.
 # Long enough that the rare old ages (the tail) gather a few stops each: about 200 recent
 # chats of 300 tokens, some seconds of a GPU's output, a minute or so of a CPU's.
@@ -37,14 +37,14 @@ _MAX_HAZARD = 1.0 - 1e-9
 
 def age_bucket(age: int) -> int:
     """The bucket of the token a request makes after `age` tokens of output."""
-    bucket = age.bit_length() - _FIRST_EDGE_BITS
+    bucket = age.bit_length() - FIRST_EDGE_BITS
     if bucket <= 0:
         return 0
     return bucket if bucket < NUM_BUCKETS else NUM_BUCKETS - 1
 
 
 def bucket_start(bucket: int) -> int:
-    return 0 if bucket == 0 else 1 << (bucket + _FIRST_EDGE_BITS - 1)
+    return 0 if bucket == 0 else 1 << (bucket + FIRST_EDGE_BITS - 1)
 
 
 class StopCurve:
@@ -78,6 +78,12 @@ class StopCurve:
     @property
     def is_measured(self) -> bool:
         return bool(self.hazards)
+
+    def survival_tables(self) -> tuple[list[int], list[float], list[float]]:
+        """(each bucket's first age, log-survival to it, log(1 - its hazard)): what
+        log_survival reads, for callers that evaluate it in a tight loop."""
+        starts = [bucket_start(b) for b in range(len(self.hazards))]
+        return starts, self._log_survival_at_start, self._log_keep
 
     def log_survival(self, age: int) -> float:
         """log P(a request goes on past `age` tokens of output) (the curve must be measured)."""

@@ -38,7 +38,7 @@ from scheduler.backend import WORKER_DETAIL_TYPES, BackendUnavailableError, Queu
 from scheduler.job import Job
 from scheduler.logprobs import encode_logprobs
 from scheduler.results import ENGINE_ERROR, INVALID_REQUEST, process_instance_id
-from scheduler.slot_release import release_times_ms
+from scheduler.slot_release import RELEASE_QUANTILE, release_times_ms
 
 log = logging.getLogger(__name__)
 
@@ -220,6 +220,7 @@ class Dispatcher:
                 getattr(snapshot, "stop_curve", None),
                 getattr(snapshot, "num_running", 0),
                 decode,
+                quantile=RELEASE_QUANTILE,
             ),
             preemptible_by_rank=getattr(snapshot, "preemptible_by_rank", None),
             best_waiting_rank=getattr(snapshot, "best_waiting_rank", math.inf),

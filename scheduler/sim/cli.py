@@ -121,6 +121,12 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     one.add_argument(
         "--drain", type=non_negative, default=120.0, help="seconds to run after arrivals stop"
     )
+    one.add_argument(
+        "--max-tokens",
+        type=int,
+        help="the max_tokens every client asks: requests stop early at their drawn lengths "
+        "(default: each asks exactly its length)",
+    )
     one.add_argument("--json", action="store_true", help="print JSON instead of a table")
     one.add_argument(
         "--fast-forward", action="store_true", help="jump over pure-decode stretches (big fleets)"
@@ -296,7 +302,9 @@ def _run_one(args: argparse.Namespace) -> int:
     _positive(args, "engines", "duration", "rate")
     params = load_params(args.preset)
     _check_scale(args, params, "duration")
-    spec = three_tier_mix(args.rate, args.duration, seed=args.seed)
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise SimulationError("--max-tokens must be > 0")
+    spec = three_tier_mix(args.rate, args.duration, seed=args.seed, max_tokens=args.max_tokens)
     started = time.perf_counter()
     options = SimOptions(drain_s=args.drain, fast_forward=args.fast_forward)
     result = simulate(spec, args.policy, FleetSpec(params, args.engines), options)
@@ -336,7 +344,7 @@ def _note_refused_for_the_cache(spec: WorkloadSpec, params: RooflineParams, stat
     num_refused = sum(t.dropped.get(INVALID_REQUEST, 0) for t in stats.tiers.values())
     if not num_refused:
         return
-    longest = max(t.prompt_len.high + t.output_len.high for t in spec.tiers)
+    longest = max(t.prompt_len.high + (t.max_tokens or t.output_len.high) for t in spec.tiers)
     # The last sampled token is never fed back, so its KV is never stored.
     needed = -(-(longest - 1) // params.block_size)
     if needed <= params.num_kv_blocks:

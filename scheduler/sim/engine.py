@@ -1,7 +1,7 @@
 """One simulated engine: the real step scheduler and block manager, a cost-model runner.
 
 The runner does what the model runner does to the scheduler's state (append one token
-per chunk that produces one, finish requests at max_tokens) and nothing else; instead of
+per chunk that produces one, finish requests where they end) and nothing else; instead of
 running the model it returns the step's duration from the roofline. The step scheduler's
 online cost model is fed the simulated step times, as the real engine feeds it measured
 ones, so the TPOT-keeping prefill budget behaves as in production.
@@ -18,6 +18,14 @@ from engine.cost_model import StepCostModel
 from engine.phase_rates import PhaseRates
 from engine.request import FinishReason, Priority, Request, SamplingParams
 from engine.step_scheduler import SchedulerConfig, StepPlan, StepScheduler
+from engine.stop_hazard import (
+    NUM_BUCKETS,
+    StopCurve,
+    StopHazard,
+    age_bucket,
+    bucket_start,
+    new_step_counts,
+)
 from scheduler.sim.cost_model import DEFAULT_MAX_MODEL_LEN, RooflineParams
 
 # Prompts are token id 1 repeated (all prompts alike would only matter to the prefix
@@ -30,6 +38,17 @@ def _prompt(num_tokens: int) -> list[int]:
     if tokens is None:
         tokens = _PROMPTS[num_tokens] = (1,) * num_tokens
     return list(tokens)
+
+
+@dataclass(eq=False)
+class SimRun(Request):
+    """A simulated request: where it ends is drawn in advance (its output length)."""
+
+    # The output token it ends at: its max_tokens, or its drawn end of sequence before.
+    ends_at: int = 0
+    # Whether it can end before its max_tokens: its engine learns the stop hazard from
+    # such requests, as the real engine does from those that are not ignore_eos.
+    may_stop: bool = False
 
 
 @dataclass(frozen=True)
@@ -118,6 +137,12 @@ class SimEngine:
         # Measured rates, as the real engine measures them; the fleet publishes them to
         # the queue, where admission reads the fleet's capacity.
         self.rates = PhaseRates(self.cost_model)
+        # Stops of requests that may stop early, by age, as the real engine measures them.
+        self.stop_hazard = StopHazard()
+
+    @property
+    def stop_curve(self) -> StopCurve:
+        return self.stop_hazard.curve
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -143,6 +168,7 @@ class SimEngine:
         *,
         num_prompt_tokens: int,
         num_output_tokens: int,
+        max_tokens: int | None = None,
         rank: int,
         tenant: str,
         arrival_s: float,
@@ -158,11 +184,16 @@ class SimEngine:
             tpot_slo_ms=tpot_slo_ms,
             preemptible=preemptible and self.mode.use_ranks and self.mode.rank_preemption,
         )
-        request = Request(
+        # With max_tokens, it asks that many and ends at num_output_tokens (an end of
+        # sequence, unless that is its max_tokens); without, it asks exactly those.
+        asked = num_output_tokens if max_tokens is None else max_tokens
+        request = SimRun(
             request_id,
             _prompt(num_prompt_tokens),
-            SamplingParams(max_tokens=num_output_tokens, ignore_eos=True),
+            SamplingParams(max_tokens=asked, ignore_eos=max_tokens is None),
             priority,
+            ends_at=min(num_output_tokens, asked),
+            may_stop=max_tokens is not None,
         )
         self._decode_summary = None
         self.scheduler.add(request)
@@ -216,6 +247,7 @@ class SimEngine:
         outputs = outcome.output_tokens if self.report_outputs else None
         num_recomputed = 0
         num_produced = 0
+        stop_counts = None  # per age bucket: tokens of requests that may stop, stops
         num_decoding = 0  # requests that made a token and go on: decode next step
         fewest_left = -1
         num_kv = 0
@@ -245,9 +277,17 @@ class SimEngine:
                 outcome.first_tokens.append(request)
                 if not request.num_preemptions:
                     del high_water[request.request_id]  # decoding: num_tokens - 1 from now
-            left = request.params.max_tokens - len(tokens)
+            num_made = len(tokens)
+            left = request.ends_at - num_made
+            if request.may_stop:
+                if stop_counts is None:
+                    stop_counts = (new_step_counts(), new_step_counts())
+                bucket = age_bucket(num_made - 1)
+                stop_counts[0][bucket] += 1
+                if left <= 0 and num_made < request.params.max_tokens:
+                    stop_counts[1][bucket] += 1
             if left <= 0:
-                self.scheduler.finish(request, FinishReason.LENGTH)
+                self.scheduler.finish(request, _finish_reason(request, num_made))
                 high_water.pop(request.request_id, None)
                 outcome.finished.append(request)
                 continue
@@ -255,6 +295,8 @@ class SimEngine:
             if fewest_left < 0 or left < fewest_left:
                 fewest_left = left
             num_kv += end + 1
+        if stop_counts is not None:
+            self.stop_hazard.record(*stop_counts)
         outcome.num_recomputed_tokens = num_recomputed
         outcome.num_output_tokens = num_produced
         if num_decoding and num_decoding == self.scheduler.num_running:
@@ -344,7 +386,7 @@ class SimEngine:
                 # A prompt chunked to its last token: that one-token step makes the
                 # first token, whose time a run would not report.
                 return None
-            left = request.params.max_tokens - num_output
+            left = request.ends_at - num_output
             if fewest_left < 0 or left < fewest_left:
                 fewest_left = left
             kv += computed + 1
@@ -405,6 +447,7 @@ class SimEngine:
         size = bm.block_size
         fewest_left = -1
         num_kv = 0
+        stop_counts = None  # per age bucket: tokens of requests that may stop, stops
         for request in running:
             end = request.num_computed_tokens + num_steps
             # allocate_slots would find the blocks it holds enough; skip the call.
@@ -417,9 +460,16 @@ class SimEngine:
             output_ids.extend(tokens)
             if outputs is not None:
                 outputs.append((request, num_steps))
-            left = request.params.max_tokens - len(output_ids)
+            num_made = len(output_ids)
+            left = request.ends_at - num_made
+            if request.may_stop:
+                if stop_counts is None:
+                    stop_counts = (new_step_counts(), new_step_counts())
+                _count_ages(stop_counts[0], num_made - num_steps, num_steps)
+                if left <= 0 and num_made < request.params.max_tokens:
+                    stop_counts[1][age_bucket(num_made - 1)] += 1
             if left <= 0:
-                scheduler.finish(request, FinishReason.LENGTH)
+                scheduler.finish(request, _finish_reason(request, num_made))
                 high_water.pop(request.request_id, None)
                 outcome.finished.append(request)
                 continue
@@ -428,7 +478,25 @@ class SimEngine:
             if fewest_left < 0 or left < fewest_left:
                 fewest_left = left
             num_kv += end + 1
+        if stop_counts is not None:
+            self.stop_hazard.record(*stop_counts)
         outcome.num_output_tokens = n * num_steps
         # Every running request decoded and goes on decoding (see _decode_summary).
         self._decode_summary = (fewest_left, num_kv) if fewest_left > 0 else None
         return outcome
+
+
+def _finish_reason(request: SimRun, num_made: int) -> FinishReason:
+    """An end before max_tokens is the end of sequence (stop); at it, the length."""
+    return FinishReason.STOP if num_made < request.params.max_tokens else FinishReason.LENGTH
+
+
+def _count_ages(counts: list[int], first_age: int, num_tokens: int) -> None:
+    """Add to `counts` (per age bucket) the tokens a request made at ages first_age on."""
+    age, end = first_age, first_age + num_tokens
+    while age < end:
+        bucket = age_bucket(age)
+        edge = bucket_start(bucket + 1) if bucket + 1 < NUM_BUCKETS else end
+        upto = min(edge, end)
+        counts[bucket] += upto - age
+        age = upto

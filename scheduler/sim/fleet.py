@@ -182,7 +182,7 @@ def _job(req: SimRequest) -> Job:
         rank=req.rank,
         weight=req.weight,
         prompt_token_ids=prompt,
-        params=SamplingParams(max_tokens=req.num_output_tokens, ignore_eos=True),
+        params=SamplingParams(max_tokens=req.asked_tokens, ignore_eos=req.max_tokens is None),
         arrival_s=req.arrival_s,
         ttft_slo_ms=req.ttft_slo_ms,
         tpot_slo_ms=req.tpot_slo_ms,
@@ -278,9 +278,10 @@ class _Fleet:
                     engine.prefill_tokens_per_s or DEFAULT_PREFILL_TOKENS_PER_S,
                     engine.decode_tokens_per_s or DEFAULT_DECODE_TOKENS_PER_S,
                     self.capacity_ttl_ms,
-                    engine.scheduler.backlog(),
+                    engine.scheduler.backlog(engine.stop_curve),
                     num_seqs if num_tokens > 0 else 0,
                     engine.scheduler.num_running,
+                    engine.stop_curve,
                 )
         self.take_drops(now_s)
         served = self.served
@@ -353,6 +354,7 @@ class _Fleet:
                     job.job_id,
                     num_prompt_tokens=req.num_prompt_tokens,
                     num_output_tokens=req.num_output_tokens,
+                    max_tokens=req.max_tokens,
                     rank=job.rank,
                     tenant=req.tenant_id,
                     arrival_s=req.arrival_s,

@@ -46,7 +46,7 @@ class SimRateLimits:
         limits = self._limits.get(req.tenant_id)
         if limits is None:
             return None
-        num_tokens = req.num_prompt_tokens + req.num_output_tokens  # prompt + max_tokens
+        num_tokens = req.num_prompt_tokens + req.asked_tokens  # prompt + max_tokens
         try:
             reservation = run_now(
                 self._limiter.reserve(

@@ -13,12 +13,13 @@ from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 from engine.step_scheduler import RankBacklog
+from engine.stop_hazard import StopCurve
 from scheduler.admission import NoCapacityError, check_slo
 from scheduler.backend import JobStatus, SloUnattainableError
 from scheduler.job import Job
 from scheduler.memory_backend import MemoryBackend
 from scheduler.policy import PolicyConfig, TierConfig
-from scheduler.slot_release import release_times_ms
+from scheduler.slot_release import RELEASE_QUANTILE, release_times_ms
 
 T = TypeVar("T")
 
@@ -140,6 +141,7 @@ class TieredQueue:
         backlog: RankBacklog | None = None,
         num_free_seqs: int = 0,
         num_running: int = 0,
+        stop_curve: StopCurve | None = None,
     ) -> None:
         """A simulated worker's measured rates, its engine's backlog per rank, the
         requests it would start at its next step and when its slots free, as its
@@ -154,9 +156,12 @@ class TieredQueue:
                 unprefilled_tokens_by_rank=backlog.unprefilled_tokens_by_rank,
                 decode_tokens_by_rank=backlog.decode_tokens_by_rank,
                 num_free_seqs=num_free_seqs,
-                # Simulated requests end at their max_tokens: nothing stops them early.
                 release_ms=release_times_ms(
-                    backlog.running_left, None, num_running, decode_tokens_per_s
+                    backlog.running_left,
+                    stop_curve,
+                    num_running,
+                    decode_tokens_per_s,
+                    quantile=RELEASE_QUANTILE,
                 ),
                 preemptible_by_rank=backlog.preemptible_by_rank,
                 best_waiting_rank=backlog.best_waiting_rank,

@@ -76,6 +76,15 @@ class TierSpec:
     output_len: LengthDist = field(default_factory=LengthDist)
     # Per-tenant defaults of the tier row (rpm, tpm, max_concurrency); unlimited if unset.
     limits: TenantLimits = field(default_factory=TenantLimits)
+    # The max_tokens clients ask. None: each asks exactly its output length and runs to
+    # it (ignore_eos), so the queue and admission know every length. Set: requests ask
+    # this many and stop early at their drawn length (an end of sequence), as chat
+    # clients do; a drawn length above it is cut there.
+    max_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise WorkloadError(f"tier {self.name}: max_tokens must be >= 1")
 
     @property
     def has_latency_slo(self) -> bool:
@@ -181,12 +190,20 @@ class SimRequest:
     rank: int
     weight: float
     num_prompt_tokens: int
-    num_output_tokens: int  # generated until max_tokens (ignore_eos)
+    num_output_tokens: int  # generated, then it stops (its end, or its max_tokens)
     ttft_slo_ms: float | None
     tpot_slo_ms: float | None
     preemptible: bool
     max_queue_ms: float | None = None
     deadline_s: float | None = None
+    # What its client asked (TierSpec.max_tokens); None: exactly num_output_tokens, and
+    # it cannot stop earlier (ignore_eos).
+    max_tokens: int | None = None
+
+    @property
+    def asked_tokens(self) -> int:
+        """Its max_tokens: what the queue, admission and rate limits count for it."""
+        return self.num_output_tokens if self.max_tokens is None else self.max_tokens
 
 
 def _multiplier(spec: WorkloadSpec, t_s: float) -> float:
@@ -229,12 +246,17 @@ def _tenant_stream(spec: WorkloadSpec, tenant: TenantSpec, tier: TierSpec) -> It
             rank=tier.rank,
             weight=tenant.weight,
             num_prompt_tokens=tier.prompt_len.sample(rng),
-            num_output_tokens=tier.output_len.sample(rng),
+            num_output_tokens=(
+                tier.output_len.sample(rng)
+                if tier.max_tokens is None
+                else min(tier.output_len.sample(rng), tier.max_tokens)
+            ),
             ttft_slo_ms=tier.ttft_slo_ms,
             tpot_slo_ms=tier.tpot_slo_ms,
             preemptible=tier.preemptible,
             max_queue_ms=tier.max_queue_ms,
             deadline_s=t + tier.completion_window_s if tier.completion_window_s else None,
+            max_tokens=tier.max_tokens,
         )
 
 
@@ -360,6 +382,7 @@ def three_tier_mix(
     tiers: tuple[TierSpec, ...] | None = None,
     provisioned_rate_per_s: float | None = None,
     quota_headroom: float = 2.0,
+    max_tokens: int | None = None,
 ) -> WorkloadSpec:
     """priority / interactive / batch with several tenants each, equal weights inside a
     tier and the tier's load spread evenly over its tenants.
@@ -368,8 +391,13 @@ def three_tier_mix(
     `provisioned_rate_per_s` (default: `rate_per_s`) with `quota_headroom`: a fleet
     provisioned for 1.0x gives its tenants quotas for their 1.0x traffic, and a load
     sweep keeps those quotas while the offered rate grows.
+
+    `max_tokens`: what every tier's clients ask (TierSpec.max_tokens): requests then
+    stop early at their drawn lengths, unknown to the queue and admission in advance.
     """
     tiers = tiers or three_tier_tiers()
+    if max_tokens is not None:
+        tiers = tuple(replace(t, max_tokens=max_tokens) for t in tiers)
     provisioned = rate_per_s if provisioned_rate_per_s is None else provisioned_rate_per_s
     tenants = []
     for tier, count, share in zip(tiers, num_tenants_per_tier, tier_load_shares, strict=True):

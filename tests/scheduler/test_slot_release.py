@@ -55,6 +55,27 @@ def test_requests_that_may_stop_early_free_slots_at_the_expected_order_statistic
     assert predicted == sorted(predicted)
 
 
+def test_the_quantile_is_the_step_by_which_a_slot_has_freed_that_often() -> None:
+    rng = random.Random(11)
+    bounds = [400, 150, 900, 900, 60, 2_000]
+    running = [(b, 0, True) for b in bounds]
+    draws = [sorted(_geometric_end(rng, 1 / 200, b) for b in bounds) for _ in range(20_000)]
+    q90 = release_steps(running, FLAT, quantile=0.9)
+    expected = release_steps(running, FLAT)
+    shares = []
+    for k, (late, mean) in enumerate(zip(q90, expected, strict=True)):
+        shares.append(sum(d[k] > late for d in draws) / len(draws))
+        assert shares[-1] <= 0.16, k
+        assert late >= mean
+    # Later in 10% of draws, less where a bound ends the wait for sure (the first slot
+    # frees by step 60 whatever happens).
+    assert q90[0] == 60.0
+    assert 0.05 < sum(shares) / len(shares) < 0.12
+    assert q90 == sorted(q90)
+    # Requests that cannot stop early: a quantile of a sure end is that end.
+    assert release_steps([(30, 0, False), (10, 0, False)], FLAT, quantile=0.9) == [10.0, 30.0]
+
+
 def test_a_long_running_request_on_a_heavy_tail_frees_its_slot_later() -> None:
     # Hazards falling with age (a heavy tail): a chat 3,000 tokens in is expected to
     # run on far longer than a fresh one, as the real order statistics say.

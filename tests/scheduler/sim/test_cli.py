@@ -51,6 +51,15 @@ def test_numbers_that_are_no_load_are_usage_errors(capsys, argv) -> None:
     assert "Traceback" not in capsys.readouterr().err
 
 
+def test_run_with_clients_asking_more_than_they_use(capsys) -> None:
+    argv = ["run", "--rate", "5", "--duration", "5", "--json"]
+    assert main([*argv, "--max-tokens", "2048"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["tiers"]["interactive"]["num_finished"] > 0
+    assert main([*argv, "--max-tokens", "0"]) == 2
+    assert "--max-tokens must be > 0" in capsys.readouterr().err
+
+
 def test_a_run_too_large_to_generate_is_refused_up_front(capsys) -> None:
     # 5e9 arrivals would be generated before the first step: refused at once instead.
     assert main(["run", "--rate", "1e9", "--duration", "5"]) == 2

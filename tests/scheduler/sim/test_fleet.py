@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 
 from engine.errors import ContextLengthExceededError
+from engine.request import FinishReason
 from scheduler.sim.cost_model import load_preset
 from scheduler.sim.engine import EngineMode, SimEngine
 from scheduler.sim.fleet import POLICIES, FleetSpec, SimOptions, SimulationError, simulate
@@ -50,6 +51,76 @@ def test_single_request_timing_matches_the_cost_model() -> None:
     decode_s = sum(H200.step_time_s(1, 101 + i, 101 + i) for i in range(49))
     assert record.finish_s - record.first_token_s == pytest.approx(decode_s)
     assert result.stats.num_steps == 50
+
+
+def test_fast_forward_keeps_the_numbers_of_requests_that_stop_early() -> None:
+    # Clients asking 2,048 tokens stop at their drawn lengths, inside decode runs too. A
+    # run teaches the stop curve its tokens at once, where steps one by one decay the
+    # earlier ones a little: admission may decide a borderline request differently.
+    spec = three_tier_mix(40, 10, seed=2, max_tokens=2048)
+    runs = [
+        simulate(spec, "tiered", FleetSpec(H200, 1), SimOptions(keep_records=True, fast_forward=ff))
+        for ff in (False, True)
+    ]
+    exact, fast = ({r.request.request_id: r for r in run.collector.records} for run in runs)
+    assert exact.keys() == fast.keys()
+    same = [i for i, r in exact.items() if r.rejected_code == fast[i].rejected_code]
+    assert len(same) >= 0.98 * len(exact)
+    for stats in (runs[0].stats, runs[1].stats):
+        assert stats.tiers["interactive"].rejections.get("slo_unattainable", 0) > 0
+    for tier in ("priority", "interactive"):
+        a, b = runs[0].stats.tiers[tier], runs[1].stats.tiers[tier]
+        assert b.admitted_attainment == pytest.approx(a.admitted_attainment, abs=0.02)
+        assert b.ttft_p50_ms == pytest.approx(a.ttft_p50_ms, rel=0.1)
+    assert runs[1].stats.output_tokens_per_s == pytest.approx(
+        runs[0].stats.output_tokens_per_s, rel=0.02
+    )
+
+
+def test_requests_asking_more_than_they_use_stop_early_and_teach_the_stop_curve() -> None:
+    clock = [0.0]
+    engine = SimEngine("e0", H200, EngineMode(), clock)
+    # Three rounds of chats asking 64 tokens: three stop early, one uses all 64; and a
+    # request that asks exactly its length (ignore_eos), which teaches nothing.
+    lengths = [5, 40, 17, 64] * 3
+    for i, length in enumerate(lengths):
+        engine.add(
+            f"chat-{i}",
+            num_prompt_tokens=32,
+            num_output_tokens=length,
+            max_tokens=64,
+            rank=1,
+            tenant="t",
+            arrival_s=0.0,
+            ttft_slo_ms=None,
+            tpot_slo_ms=None,
+            preemptible=False,
+        )
+    exact = engine.add(
+        "exact",
+        num_prompt_tokens=32,
+        num_output_tokens=30,
+        rank=1,
+        tenant="t",
+        arrival_s=0.0,
+        ttft_slo_ms=None,
+        tpot_slo_ms=None,
+        preemptible=False,
+    )
+    assert exact.params.ignore_eos
+    assert not exact.may_stop
+    ended = {}
+    while (duration := engine.start_step()) is not None:
+        clock[0] += duration
+        for request in engine.end_step().finished:
+            ended[request.request_id] = (len(request.output_token_ids), request.finish_reason)
+    assert ended["exact"] == (30, FinishReason.LENGTH)
+    for i, length in enumerate(lengths):
+        reason = FinishReason.LENGTH if length == 64 else FinishReason.STOP
+        assert ended[f"chat-{i}"] == (length, reason)
+    # As the real engine measures it: stops per token of the requests that may stop.
+    assert engine.stop_hazard.per_token == pytest.approx(9 / sum(lengths), rel=0.01)
+    assert engine.stop_curve.is_measured
 
 
 @pytest.mark.slow

@@ -85,6 +85,21 @@ def test_three_tier_and_many_tenant_mixes() -> None:
     assert len({r.tenant_id for r in generate(spec)}) > 300
 
 
+def test_clients_asking_max_tokens_stop_at_their_drawn_lengths() -> None:
+    exact = generate(three_tier_mix(20, 30, seed=3))
+    asking = generate(three_tier_mix(20, 30, seed=3, max_tokens=512))
+    # The same arrivals and draws: only what is asked, and the lengths cut at 512, differ.
+    assert [r.request_id for r in exact] == [r.request_id for r in asking]
+    for plain, capped in zip(exact, asking, strict=True):
+        assert plain.max_tokens is None
+        assert plain.asked_tokens == plain.num_output_tokens
+        assert capped.num_output_tokens == min(plain.num_output_tokens, 512)
+        assert capped.asked_tokens == 512
+    assert any(r.num_output_tokens > 512 for r in exact)
+    with pytest.raises(WorkloadError, match="max_tokens"):
+        TierSpec("t", 0, max_tokens=0)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
