@@ -44,12 +44,14 @@ def age_bucket(age: int) -> int:
 
 
 def bucket_start(bucket: int) -> int:
+    """The first age of `bucket`."""
     return 0 if bucket == 0 else 1 << (bucket + FIRST_EDGE_BITS - 1)
 
 
 class StopCurve:
-    """Per-age stop hazards, and what follows from them for one running request: the
-    tokens it is expected to generate and its rate of stopping. Empty: unmeasured."""
+    """Per-age stop hazards, and what follows from them for one running request: how
+    likely it is to go on past a given age and the tokens it is expected to generate.
+    Empty: unmeasured."""
 
     def __init__(self, hazards: Sequence[float] = ()) -> None:
         self.hazards = tuple(min(max(h, 0.0), _MAX_HAZARD) for h in hazards)

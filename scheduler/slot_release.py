@@ -33,8 +33,7 @@ import heapq
 import math
 from collections.abc import Iterable
 
-from engine.stop_hazard import FIRST_EDGE_BITS as _FIRST_EDGE_BITS
-from engine.stop_hazard import StopCurve
+from engine.stop_hazard import FIRST_EDGE_BITS, StopCurve
 
 # Releases reported per worker, and kept for the fleet: a request further back than this
 # in the line for a slot is predicted by extrapolation (nth_release_ms).
@@ -168,7 +167,7 @@ def _fewer_than(
             log_none = -math.inf
             continue
         at = age + steps
-        b = at.bit_length() - _FIRST_EDGE_BITS
+        b = at.bit_length() - FIRST_EDGE_BITS
         b = 0 if b < 0 else (last if b > last else b)
         log_alive = log_at_start[b] + (at - bucket_starts[b]) * log_keep[b] - start
         alive = math.exp(log_alive)
