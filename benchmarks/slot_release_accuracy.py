@@ -40,6 +40,7 @@ from engine.stop_hazard import (  # noqa: E402
     StopCurve,
     StopHazard,
     age_bucket,
+    count_ages,
     new_step_counts,
 )
 from scheduler.slot_release import release_steps  # noqa: E402
@@ -60,8 +61,7 @@ def _drawer(kind: str, sigma: float, rng: random.Random):
 def _learn(hazard: StopHazard, length: int) -> None:
     made = min(length, MAX_TOKENS)
     tokens, stops = new_step_counts(), new_step_counts()
-    for age in range(made):
-        tokens[age_bucket(age)] += 1
+    count_ages(tokens, 0, made)
     if length <= MAX_TOKENS:
         stops[age_bucket(made - 1)] += 1
     hazard.record(tokens, stops)

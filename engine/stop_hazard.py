@@ -167,3 +167,15 @@ class StopHazard:
 def new_step_counts() -> list[int]:
     """Per-bucket counters for one step's record."""
     return [0] * NUM_BUCKETS
+
+
+def count_ages(counts: list[int], first_age: int, num_tokens: int) -> None:
+    """Add to `counts` (per age bucket) the tokens a request made at ages first_age on:
+    several steps' worth at once."""
+    age, end = first_age, first_age + num_tokens
+    while age < end:
+        bucket = age_bucket(age)
+        edge = bucket_start(bucket + 1) if bucket + 1 < NUM_BUCKETS else end
+        upto = min(edge, end)
+        counts[bucket] += upto - age
+        age = upto

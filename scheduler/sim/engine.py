@@ -18,14 +18,7 @@ from engine.cost_model import StepCostModel
 from engine.phase_rates import PhaseRates
 from engine.request import FinishReason, Priority, Request, SamplingParams
 from engine.step_scheduler import SchedulerConfig, StepPlan, StepScheduler
-from engine.stop_hazard import (
-    NUM_BUCKETS,
-    StopCurve,
-    StopHazard,
-    age_bucket,
-    bucket_start,
-    new_step_counts,
-)
+from engine.stop_hazard import StopCurve, StopHazard, age_bucket, count_ages, new_step_counts
 from scheduler.sim.cost_model import DEFAULT_MAX_MODEL_LEN, RooflineParams
 
 # Prompts are token id 1 repeated (all prompts alike would only matter to the prefix
@@ -465,7 +458,7 @@ class SimEngine:
             if request.may_stop:
                 if stop_counts is None:
                     stop_counts = (new_step_counts(), new_step_counts())
-                _count_ages(stop_counts[0], num_made - num_steps, num_steps)
+                count_ages(stop_counts[0], num_made - num_steps, num_steps)
                 if left <= 0 and num_made < request.params.max_tokens:
                     stop_counts[1][age_bucket(num_made - 1)] += 1
             if left <= 0:
@@ -489,14 +482,3 @@ class SimEngine:
 def _finish_reason(request: SimRun, num_made: int) -> FinishReason:
     """An end before max_tokens is the end of sequence (stop); at it, the length."""
     return FinishReason.STOP if num_made < request.params.max_tokens else FinishReason.LENGTH
-
-
-def _count_ages(counts: list[int], first_age: int, num_tokens: int) -> None:
-    """Add to `counts` (per age bucket) the tokens a request made at ages first_age on."""
-    age, end = first_age, first_age + num_tokens
-    while age < end:
-        bucket = age_bucket(age)
-        edge = bucket_start(bucket + 1) if bucket + 1 < NUM_BUCKETS else end
-        upto = min(edge, end)
-        counts[bucket] += upto - age
-        age = upto

@@ -18,6 +18,7 @@ from engine.stop_hazard import (
     StopHazard,
     age_bucket,
     bucket_start,
+    count_ages,
     new_step_counts,
 )
 
@@ -33,8 +34,7 @@ def _step(bucket: int, num_tokens: int, num_stops: int) -> tuple[list[int], list
 def _learn(hazard: StopHazard, length: int) -> None:
     """One request that stopped after `length` tokens, as the engine's steps record it."""
     tokens, stops = new_step_counts(), new_step_counts()
-    for age in range(length):
-        tokens[age_bucket(age)] += 1
+    count_ages(tokens, 0, length)
     stops[age_bucket(length - 1)] += 1
     hazard.record(tokens, stops)
 
@@ -43,6 +43,12 @@ def test_age_buckets_double() -> None:
     assert [age_bucket(a) for a in (0, 15, 16, 31, 32, 1_000)] == [0, 0, 1, 1, 2, 6]
     assert age_bucket(10**9) == NUM_BUCKETS - 1
     assert [bucket_start(b) for b in range(4)] == [0, 16, 32, 64]
+    # Many steps' tokens at once, as one at a time.
+    at_once, one_by_one = new_step_counts(), new_step_counts()
+    count_ages(at_once, 10, 100_000)
+    for age in range(10, 100_010):
+        one_by_one[age_bucket(age)] += 1
+    assert at_once == one_by_one
 
 
 def test_stops_per_token_weighted_towards_recent_requests() -> None:

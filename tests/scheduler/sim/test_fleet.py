@@ -83,12 +83,13 @@ def test_requests_asking_more_than_they_use_stop_early_and_teach_the_stop_curve(
     # Three rounds of chats asking 64 tokens: three stop early, one uses all 64; and a
     # request that asks exactly its length (ignore_eos), which teaches nothing.
     lengths = [5, 40, 17, 64] * 3
-    for i, length in enumerate(lengths):
-        engine.add(
-            f"chat-{i}",
+
+    def add(request_id: str, length: int, max_tokens: int | None):
+        return engine.add(
+            request_id,
             num_prompt_tokens=32,
             num_output_tokens=length,
-            max_tokens=64,
+            max_tokens=max_tokens,
             rank=1,
             tenant="t",
             arrival_s=0.0,
@@ -96,17 +97,10 @@ def test_requests_asking_more_than_they_use_stop_early_and_teach_the_stop_curve(
             tpot_slo_ms=None,
             preemptible=False,
         )
-    exact = engine.add(
-        "exact",
-        num_prompt_tokens=32,
-        num_output_tokens=30,
-        rank=1,
-        tenant="t",
-        arrival_s=0.0,
-        ttft_slo_ms=None,
-        tpot_slo_ms=None,
-        preemptible=False,
-    )
+
+    for i, length in enumerate(lengths):
+        add(f"chat-{i}", length, 64)
+    exact = add("exact", 30, None)
     assert exact.params.ignore_eos
     assert not exact.may_stop
     ended = {}
