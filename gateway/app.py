@@ -67,7 +67,7 @@ from gateway.queue_setup import RESULT_POLL_MS, build_queue
 from gateway.settings import Settings
 from gateway.usage import UsageWriter
 from scheduler.backend import BackendUnavailableError
-from scheduler.dispatcher import Dispatcher, EngineLike
+from scheduler.dispatcher import Dispatcher, DispatcherConfig, EngineLike
 from scheduler.results import JobClient
 
 log = logging.getLogger(__name__)
@@ -195,7 +195,11 @@ async def _build_router(
             engine = await asyncio.to_thread(build_engine, settings)
         await _maybe_await(engine.start())  # type: ignore[attr-defined]
         stack.push_async_callback(_shutdown_engine, engine)
-        dispatcher = Dispatcher(queue.backend, engine)
+        dispatcher = Dispatcher(
+            queue.backend,
+            engine,
+            config=DispatcherConfig(slot_wait_quantile=settings.slot_wait_quantile),
+        )
         await dispatcher.publish_capacity()
         dispatcher.start()
         # One process: a job left running at shutdown has no one to resume it for.

@@ -205,6 +205,12 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-num-seqs", type=int, help="sequences batched at once (TIERGATE_MAX_NUM_SEQS)"
     )
+    parser.add_argument(
+        "--slot-wait-quantile",
+        type=float,
+        help="report the wait for a busy slot by which it frees with this probability, "
+        "not the expected wait (TIERGATE_SLOT_WAIT_QUANTILE)",
+    )
 
 
 def _add_queue_and_batch_flags(parser: argparse.ArgumentParser) -> None:
@@ -429,6 +435,7 @@ def _worker(args: argparse.Namespace) -> int:
         heartbeat_ms=heartbeat_ms,
         capacity_ttl_ms=max(5 * heartbeat_ms, 2_000),
         drain_timeout_s=args.drain_timeout_s,
+        slot_wait_quantile=settings.slot_wait_quantile,
     )
 
     async def main() -> None:

@@ -53,6 +53,10 @@ class Settings:
     batch_max_input_bytes: int = 200 * 1024 * 1024
     batch_max_lines: int = 50_000
     batch_lease_s: float = 10.0
+    # What an engine reports of when its busy slots free, for SLO admission: None, the
+    # expected times; q, the times by which they have freed with probability q (fewer
+    # admitted requests late, more refused; scheduler.slot_release).
+    slot_wait_quantile: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir))
@@ -81,6 +85,11 @@ class Settings:
         if not (math.isfinite(self.batch_lease_s) and self.batch_lease_s > 0):
             raise SettingsError(
                 f"batch_lease_s must be a positive number, not {self.batch_lease_s}"
+            )
+        quantile = self.slot_wait_quantile
+        if quantile is not None and not (math.isfinite(quantile) and 0 < quantile < 1):
+            raise SettingsError(
+                f"slot_wait_quantile must be between 0 and 1 (or unset), not {quantile}"
             )
         if self.database_url:
             _check_database_url(self.database_url)
@@ -155,6 +164,7 @@ _ENV: dict[str, tuple[str, type]] = {
     "TIERGATE_BATCH_MAX_INPUT_BYTES": ("batch_max_input_bytes", int),
     "TIERGATE_BATCH_MAX_LINES": ("batch_max_lines", int),
     "TIERGATE_BATCH_LEASE_S": ("batch_lease_s", float),
+    "TIERGATE_SLOT_WAIT_QUANTILE": ("slot_wait_quantile", float),
 }
 
 

@@ -38,7 +38,7 @@ from scheduler.backend import WORKER_DETAIL_TYPES, BackendUnavailableError, Queu
 from scheduler.job import Job
 from scheduler.logprobs import encode_logprobs
 from scheduler.results import ENGINE_ERROR, INVALID_REQUEST, process_instance_id
-from scheduler.slot_release import RELEASE_QUANTILE, release_times_ms
+from scheduler.slot_release import release_times_ms
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +86,13 @@ class DispatcherConfig:
     default_prefill_tokens_per_s: float = 2_000.0
     default_decode_tokens_per_s: float = 200.0
     drain_timeout_s: float = 30.0
+    # When slots free, as reported for SLO admission (scheduler.slot_release): None, the
+    # expected times; q in (0, 1), the times by which they have freed with probability q.
+    slot_wait_quantile: float | None = None
 
     def __post_init__(self) -> None:
+        if self.slot_wait_quantile is not None and not 0 < self.slot_wait_quantile < 1:
+            raise ValueError("slot_wait_quantile must be between 0 and 1")
         if self.heartbeat_ms * 2 > self.lease_ms:
             raise ValueError("heartbeat_ms must be at most half of lease_ms")
         if self.capacity_ttl_ms <= self.heartbeat_ms:
@@ -220,7 +225,7 @@ class Dispatcher:
                 getattr(snapshot, "stop_curve", None),
                 getattr(snapshot, "num_running", 0),
                 decode,
-                quantile=RELEASE_QUANTILE,
+                quantile=self._config.slot_wait_quantile,
             ),
             preemptible_by_rank=getattr(snapshot, "preemptible_by_rank", None),
             best_waiting_rank=getattr(snapshot, "best_waiting_rank", math.inf),

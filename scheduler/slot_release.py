@@ -16,8 +16,10 @@ normal with a continuity correction for the others. Against the mean real order
 statistics of 8 slots of lognormal output lengths (sigma 0.3 to 1.0) and geometric ones,
 it misses by 4-9% on average over the ranks, 18% at worst, where one hazard for every age
 missed by 4-57% on average and 146% at worst (`benchmarks/slot_release_accuracy.py`).
-Workers report a quantile instead (RELEASE_QUANTILE): the step by which the k-th
-slot has freed with that probability, where P(fewer than k ended) falls below 1 - q.
+Workers may report a quantile q instead (TIERGATE_SLOT_WAIT_QUANTILE): the step by
+which the k-th slot has freed with probability q, where P(fewer than k ended) falls
+below 1 - q. When requests may stop early the wait scatters widely: the expected k-th
+release came after the real one in 38-44% of cases, the 90% quantile in 6-8%.
 Then in milliseconds at the engine's step time. With no measured hazard only the
 max_tokens bounds count: a wait that is sure not to be longer (one long generation per slot that
 cannot stop early, `ignore_eos`, has exactly that wait).
@@ -38,15 +40,6 @@ from engine.stop_hazard import FIRST_EDGE_BITS, StopCurve
 # Releases reported per worker, and kept for the fleet: a request further back than this
 # in the line for a slot is predicted by extrapolation (nth_release_ms).
 MAX_RELEASES = 64
-# Workers report, for each slot, the time by which it has freed with this probability,
-# not the expected time. When requests may stop early the wait for a slot scatters
-# widely (the first of a few geometric-like ends): the expected k-th release came after
-# the real one in 38-44% of cases (benchmarks/slot_release_accuracy.py), and live, a
-# priority request admitted against the expected wait missed its 500 ms TTFT SLO 17-18%
-# of the time behind heavy-tailed chats. The 90% quantile came later than the real
-# release in 6-8% of cases. Exact bounds (requests that cannot stop early) are the same
-# either way.
-RELEASE_QUANTILE = 0.9
 # Successive grid points in decode steps: the integral's resolution, about 15% of t.
 _GRID_FACTOR = 1.3
 # The smallest bounds the grid steps exactly (the first releases matter most).

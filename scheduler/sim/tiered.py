@@ -19,7 +19,7 @@ from scheduler.backend import JobStatus, SloUnattainableError
 from scheduler.job import Job
 from scheduler.memory_backend import MemoryBackend
 from scheduler.policy import PolicyConfig, TierConfig
-from scheduler.slot_release import RELEASE_QUANTILE, release_times_ms
+from scheduler.slot_release import release_times_ms
 
 T = TypeVar("T")
 
@@ -157,11 +157,7 @@ class TieredQueue:
                 decode_tokens_by_rank=backlog.decode_tokens_by_rank,
                 num_free_seqs=num_free_seqs,
                 release_ms=release_times_ms(
-                    backlog.running_left,
-                    stop_curve,
-                    num_running,
-                    decode_tokens_per_s,
-                    quantile=RELEASE_QUANTILE,
+                    backlog.running_left, stop_curve, num_running, decode_tokens_per_s
                 ),
                 preemptible_by_rank=backlog.preemptible_by_rank,
                 best_waiting_rank=backlog.best_waiting_rank,

@@ -69,6 +69,10 @@ def test_settings_defaults_env_and_flags(tmp_path: Path) -> None:
         {"TIERGATE_TENANT_FILE_BYTES": "0"},
         {"TIERGATE_BATCH_LEASE_S": "nan"},
         {"TIERGATE_BATCH_LEASE_S": "-1"},
+        {"TIERGATE_SLOT_WAIT_QUANTILE": "1"},
+        {"TIERGATE_SLOT_WAIT_QUANTILE": "0"},
+        {"TIERGATE_SLOT_WAIT_QUANTILE": "nan"},
+        {"TIERGATE_SLOT_WAIT_QUANTILE": "most"},
     ],
 )
 def test_bad_settings_are_reported(env: dict[str, str]) -> None:
@@ -101,15 +105,16 @@ def test_serve_has_a_flag_for_every_setting_of_the_environment(tmp_path: Path) -
     from gateway.settings import _ENV
 
     sample = {int: "4096", float: "2.5", Path: str(tmp_path), str: "cpu"}
-    urls = {
+    special = {
         "database_url": f"sqlite+aiosqlite:///{tmp_path}/t.db",
         "redis_url": "redis://127.0.0.1:6379/3",
+        "slot_wait_quantile": "0.9",  # a probability
     }
     argv = ["serve"]
     expected = {}
     for var, (name, parse) in _ENV.items():
         flag = "--" + var.removeprefix("TIERGATE_").lower().replace("_", "-")
-        raw = urls.get(name, sample[parse])
+        raw = special.get(name, sample[parse])
         argv += [flag, raw]
         expected[name] = parse(raw)
     settings = settings_from_args(_parser().parse_args(argv))

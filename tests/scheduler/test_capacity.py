@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -235,3 +236,53 @@ async def test_a_job_that_stops_early_leaves_no_backlog_behind(engine) -> None:
     finally:
         await dispatcher.aclose(0)
         await jobs.aclose()
+
+
+async def test_a_worker_may_report_a_quantile_of_the_slot_waits(engine) -> None:
+    # Requests that stop early teach the engine its stop curve (its first 256 tokens
+    # only count once seen); then a running request that may stop early holds the one
+    # slot. A worker set to report the 90% quantile reports a later release than one
+    # reporting the expected time, both from the same engine.
+    prompt = (5, 6, 7)
+    greedy = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+    tokens = [t async for out in engine.generate(list(prompt), greedy) for t in out.new_token_ids]
+    stop_at = next(i for i in range(20, 80) if tokens[i] not in tokens[:i])
+    stopping = SamplingParams(
+        max_tokens=80, temperature=0, ignore_eos=True, stop_token_ids=(tokens[stop_at],)
+    )
+    for _ in range(300 // (stop_at + 1) + 1):
+        async for _ in engine.generate(list(prompt), stopping):
+            pass
+    assert engine.stats().stop_curve.is_measured
+    backend = MemoryBackend([TierConfig("rank2", rank=2)])
+    config = DispatcherConfig(lease_ms=20_000, heartbeat_ms=5_000, capacity_ttl_ms=10_000)
+    dispatcher = Dispatcher(backend, engine, worker_id="expected", config=config)
+    quantile = Dispatcher(
+        backend, engine, worker_id="q90", config=replace(config, slot_wait_quantile=0.9)
+    )
+    jobs = JobClient(backend, on_enqueue=dispatcher.notify)
+    dispatcher.start()
+    # It may stop early (a stop token), which greedy decoding never makes: it runs on.
+    never = next(t for t in range(10, 900) if t not in tokens)
+    params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True, stop_token_ids=(never,))
+    job = Job("chat", "t", "rank2", 2, 1.0, prompt, params, time.time())
+    try:
+        stream = (await jobs.submit_and_wait(job)).__aiter__()
+        await anext(stream)
+        for _ in range(250):  # the engine thread publishes its stats after the step
+            if engine.stats().num_running == 1:
+                break
+            await asyncio.sleep(0.01)
+        await dispatcher.publish_capacity()
+        await quantile.publish_capacity()
+        reports = {r.worker_id: r for r in await backend.worker_reports()}
+        [expected] = reports["expected"].release_ms
+        [late] = reports["q90"].release_ms
+        assert 0 < expected < late
+    finally:
+        await jobs.cancel("chat")
+        await dispatcher.aclose(0)
+        await quantile.aclose(0)
+        await jobs.aclose()
+    with pytest.raises(ValueError, match="slot_wait_quantile"):
+        DispatcherConfig(slot_wait_quantile=1.0)
