@@ -9,6 +9,9 @@ from sqlalchemy import event
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 
+# How long a SQLite connection waits for another's lock before 'database is locked'.
+SQLITE_BUSY_TIMEOUT_MS = 5000
+
 
 def create_db_engine(database_url: str) -> AsyncEngine:
     """An async engine for `sqlite+aiosqlite://...` or `postgresql+asyncpg://...`.
@@ -33,9 +36,6 @@ def create_db_engine(database_url: str) -> AsyncEngine:
         cursor.close()
 
     return engine
-
-
-SQLITE_BUSY_TIMEOUT_MS = 5000
 
 
 def _switch_to_wal(cursor) -> None:
