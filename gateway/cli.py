@@ -208,8 +208,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--slot-wait-quantile",
         type=float,
-        help="report the wait for a busy slot by which it frees with this probability, "
-        "not the expected wait (TIERGATE_SLOT_WAIT_QUANTILE)",
+        help="a probability between 0 and 1: report the wait for a busy slot by which it "
+        "frees that often (fewer admitted requests late, more refused); unset: the expected "
+        "wait (TIERGATE_SLOT_WAIT_QUANTILE)",
     )
 
 

@@ -31,7 +31,7 @@ MAX_LOGIT_BIAS = 100.0
 # Each entry costs every step of the request a little; OpenAI's limit.
 MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_CHOICES = 128  # OpenAI's bound on `n`
-CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
 
 
 @dataclass(frozen=True)
@@ -95,15 +95,12 @@ class ChatMessage:
     role: str
     content: str
     name: str | None = None
-    tool_call_id: str | None = None  # the call a tool message answers
 
     def as_template_dict(self) -> dict[str, str]:
         """The shape tokenizer chat templates expect."""
         message = {"role": self.role, "content": self.content}
         if self.name is not None:
             message["name"] = self.name
-        if self.tool_call_id is not None:
-            message["tool_call_id"] = self.tool_call_id
         return message
 
 
@@ -450,9 +447,14 @@ def _logit_bias(data: dict[str, Any]) -> tuple[tuple[int, float], ...]:
     pairs = []
     for key, value in raw.items():
         # Decimal digits only: int() would also take " 5", "+5", "5_0" and "٥".
-        if not (key.isascii() and key.isdigit()) or len(key) > 10:
+        if not (key.isascii() and key.isdigit()):
             raise InvalidRequestError(
                 f"logit_bias keys must be token ids as decimal strings, not {key[:40]!r}.",
+                param="logit_bias",
+            )
+        if len(key) > 10:  # no vocabulary reaches 10**10; and int() of a huge key is slow
+            raise InvalidRequestError(
+                f"logit_bias key {key[:40]!r} has more digits than any token id (at most 10).",
                 param="logit_bias",
             )
         bias = _as_finite(value)
@@ -521,6 +523,14 @@ def _messages(data: dict[str, Any]) -> tuple[ChatMessage, ...]:
         if not isinstance(item, dict):
             raise InvalidRequestError(f"{where} must be an object.", param=where)
         role = _required(item, "role", str, f"{where}.")
+        if role == "tool":
+            # It answers an assistant message's tool_calls (OpenAI refuses one that does
+            # not), and those are refused below: no conversation can hold one here.
+            raise InvalidRequestError(
+                f"{where} is a tool message, which answers an assistant message's "
+                "tool_calls; tool calls are not supported.",
+                param=f"{where}.role",
+            )
         if role not in CHAT_ROLES:
             raise InvalidRequestError(
                 f"{where}.role must be one of {', '.join(sorted(CHAT_ROLES))}.",
@@ -533,13 +543,7 @@ def _messages(data: dict[str, Any]) -> tuple[ChatMessage, ...]:
                     f"{where}.{unsupported} is not supported.", param=f"{where}.{unsupported}"
                 )
         content = _content(item.get("content"), role, f"{where}.content")
-        # A tool's answer names the call it answers, as OpenAI requires: templates that
-        # pair calls with answers read it, and without it the answer pairs with nothing.
-        tool_call_id = None
-        if role == "tool":
-            tool_call_id = _required(item, "tool_call_id", str, f"{where}.")
-        name = _optional(item, "name", str, f"{where}.")
-        messages.append(ChatMessage(role, content, name, tool_call_id))
+        messages.append(ChatMessage(role, content, _optional(item, "name", str, f"{where}.")))
     return tuple(messages)
 
 

@@ -24,6 +24,7 @@ from typing import Any
 from engine.errors import EngineError
 from scheduler.sim.admission import INVALID_REQUEST
 from scheduler.sim.cost_model import (
+    DEFAULT_MAX_MODEL_LEN,
     PRESETS,
     CostModelError,
     RooflineParams,
@@ -302,8 +303,15 @@ def _run_one(args: argparse.Namespace) -> int:
     _positive(args, "engines", "duration", "rate")
     params = load_params(args.preset)
     _check_scale(args, params, "duration")
-    if args.max_tokens is not None and args.max_tokens < 1:
-        raise SimulationError("--max-tokens must be > 0")
+    if args.max_tokens is not None:
+        # Every request asks it: past the context, the engine (the gateway, in production)
+        # refuses every one of them, and the run would measure nothing.
+        longest = DEFAULT_MAX_MODEL_LEN - 1
+        if not 0 < args.max_tokens <= longest:
+            raise SimulationError(
+                f"--max-tokens must be between 1 and {longest:,} (the simulated "
+                f"context of {DEFAULT_MAX_MODEL_LEN:,} tokens less a prompt token)"
+            )
     spec = three_tier_mix(args.rate, args.duration, seed=args.seed, max_tokens=args.max_tokens)
     started = time.perf_counter()
     options = SimOptions(drain_s=args.drain, fast_forward=args.fast_forward)
@@ -345,6 +353,14 @@ def _note_refused_for_the_cache(spec: WorkloadSpec, params: RooflineParams, stat
     if not num_refused:
         return
     longest = max(t.prompt_len.high + (t.max_tokens or t.output_len.high) for t in spec.tiers)
+    if longest > DEFAULT_MAX_MODEL_LEN:
+        print(
+            f"note: the engine refused {num_refused} requests as {INVALID_REQUEST}: their "
+            f"prompt + max_tokens exceeds the simulated context of {DEFAULT_MAX_MODEL_LEN:,} "
+            "tokens (a real gateway answers them 400 context_length_exceeded)",
+            file=sys.stderr,
+        )
+        return
     # The last sampled token is never fed back, so its KV is never stored.
     needed = -(-(longest - 1) // params.block_size)
     if needed <= params.num_kv_blocks:

@@ -56,8 +56,14 @@ def test_run_with_clients_asking_more_than_they_use(capsys) -> None:
     assert main([*argv, "--max-tokens", "2048"]) == 0
     stats = json.loads(capsys.readouterr().out)
     assert stats["tiers"]["interactive"]["num_finished"] > 0
-    assert main([*argv, "--max-tokens", "0"]) == 2
-    assert "--max-tokens must be > 0" in capsys.readouterr().err
+    for bad in ("0", "16384", "1000000000"):
+        assert main([*argv, "--max-tokens", bad]) == 2
+        assert "--max-tokens must be between 1 and 16,383" in capsys.readouterr().err
+    # Some prompts + max_tokens past the context: refused as the gateway would, and said.
+    assert main([*argv, "--max-tokens", "16000"]) == 0
+    captured = capsys.readouterr()
+    assert "exceeds the simulated context of 16,384 tokens" in captured.err
+    assert json.loads(captured.out)["tiers"]["interactive"]["num_finished"] > 0
 
 
 def test_a_run_too_large_to_generate_is_refused_up_front(capsys) -> None:
