@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import fcntl
 import logging
 import math
 import os
@@ -17,7 +18,7 @@ import secrets
 import shlex
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -320,7 +321,7 @@ def _serve(args: argparse.Namespace) -> int:
     # --demo upgrades the database (any database) before it adds the demo tenants.
     _preflight(settings, upgrades_database=settings.is_embedded_db or args.demo)
     _configure_logging()
-    with _listening_socket(settings) as listener:
+    with _own_data_dir(settings), _listening_socket(settings) as listener:
         if args.demo:
             generated = settings.admin_token is None
             if generated:
@@ -488,6 +489,40 @@ def _prepare_data_dir(settings: Settings) -> None:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise SettingsError(f"cannot use data directory {settings.data_dir}: {exc}") from None
+
+
+@contextlib.contextmanager
+def _own_data_dir(settings: Settings) -> Iterator[None]:
+    """Hold the data directory for this `serve` while it runs on the embedded database
+    and its in-memory queue. A second `serve` on the same directory used to start too:
+    the two shared the tenants and keys but each kept its own queue, rate limits and
+    concurrency counts, so a tenant got twice its limits and neither process saw the
+    other's queue. With Redis, processes share the queue and limits, and may share it."""
+    if not settings.is_embedded_db or settings.redis_url:
+        yield
+        return
+    path = settings.data_dir / "serve.lock"
+    try:
+        handle = open(path, "a+")  # noqa: SIM115 - held for the server's whole life
+    except OSError as exc:
+        raise SettingsError(f"cannot use data directory {settings.data_dir}: {exc}") from None
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown"
+            raise SettingsError(
+                f"another tiergate serve (pid {holder}) is using the data directory "
+                f"{settings.data_dir} with its own in-memory queue; two would each enforce "
+                "the tenants' limits on their own. Stop it, use another --data-dir, or "
+                "share a queue with TIERGATE_REDIS_URL"
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
+        yield
 
 
 REACH_TIMEOUT_S = 5.0

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -191,6 +192,31 @@ def test_serve_demo_prints_working_keys(tmp_path: Path) -> None:
         if proc.stdout is not None:
             proc.stdout.close()
     assert (tmp_path / "tiergate.db").is_file()
+
+
+def test_a_second_serve_on_the_same_data_dir_is_refused(tmp_path: Path) -> None:
+    # Each would keep its own in-memory queue and limits: a tenant would get twice its
+    # limits, and neither process would see the other's queue.
+    port = _free_port()
+    proc, _ = _start_demo(tmp_path, port, TIERGATE_MAX_MODEL_LEN="256")
+    try:
+        second = subprocess.run(
+            [sys.executable, "-m", "gateway.cli", "serve", "--port", str(_free_port())],
+            cwd=ROOT,
+            env={"PATH": "/usr/bin:/bin", "TIERGATE_DATA_DIR": str(tmp_path)},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert second.returncode == 2, second.stderr
+        assert f"another tiergate serve (pid {proc.pid})" in second.stderr
+        assert "Traceback" not in second.stderr
+        assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10).status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 @pytest.mark.parametrize(
