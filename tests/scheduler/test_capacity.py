@@ -218,12 +218,7 @@ async def test_a_job_that_stops_early_leaves_no_backlog_behind(engine) -> None:
     )
     job = Job("early", "t", "rank2", 2, 1.0, prompt, params, time.time())
     try:
-        stream = (await jobs.submit_and_wait(job)).__aiter__()
-        await anext(stream)
-        for _ in range(250):  # the engine thread publishes its stats after the step
-            if engine.stats().num_running == 1:
-                break
-            await asyncio.sleep(0.01)
+        stream = await _running(jobs, engine, job)
         await dispatcher.publish_capacity()  # a heartbeat while it runs
         fleet = await backend.fleet_capacity()
         assert fleet.decode_tokens_by_rank[2] > 120 - stop_at
@@ -267,12 +262,7 @@ async def test_a_worker_may_report_a_quantile_of_the_slot_waits(engine) -> None:
     params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True, stop_token_ids=(never,))
     job = Job("chat", "t", "rank2", 2, 1.0, prompt, params, time.time())
     try:
-        stream = (await jobs.submit_and_wait(job)).__aiter__()
-        await anext(stream)
-        for _ in range(250):  # the engine thread publishes its stats after the step
-            if engine.stats().num_running == 1:
-                break
-            await asyncio.sleep(0.01)
+        await _running(jobs, engine, job)
         await dispatcher.publish_capacity()
         await quantile.publish_capacity()
         reports = {r.worker_id: r for r in await backend.worker_reports()}
@@ -286,3 +276,14 @@ async def test_a_worker_may_report_a_quantile_of_the_slot_waits(engine) -> None:
         await jobs.aclose()
     with pytest.raises(ValueError, match="slot_wait_quantile"):
         DispatcherConfig(slot_wait_quantile=1.0)
+
+
+async def _running(jobs: JobClient, engine, job: Job):
+    """Submit `job` and return its result stream once the engine runs it."""
+    stream = (await jobs.submit_and_wait(job)).__aiter__()
+    await anext(stream)
+    for _ in range(250):  # the engine thread publishes its stats after the step
+        if engine.stats().num_running == 1:
+            break
+        await asyncio.sleep(0.01)
+    return stream
