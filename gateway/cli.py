@@ -503,7 +503,7 @@ def _own_data_dir(settings: Settings) -> Iterator[None]:
         return
     path = settings.data_dir / "serve.lock"
     try:
-        handle = open(path, "a+")  # noqa: SIM115 - held for the server's whole life
+        handle = open(path, "a+")  # noqa: SIM115 - closed by the with below
     except OSError as exc:
         raise SettingsError(f"cannot use data directory {settings.data_dir}: {exc}") from None
     with handle:
