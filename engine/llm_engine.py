@@ -9,7 +9,6 @@ Not thread-safe: AsyncEngine drives it from one thread.
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -99,7 +98,6 @@ class EngineStats:
     # them for SLO admission (scheduler.slot_release).
     running_left: tuple[tuple[int, int, bool], ...] = ()
     preemptible_by_rank: dict[int, int] = field(default_factory=dict)
-    best_waiting_rank: float = math.inf
     waiting_by_rank: dict[int, int] = field(default_factory=dict)
     stop_hazard: float = 0.0  # per token, of requests able to stop early (0: unmeasured)
     # The same by age (tokens made so far): what running_left's requests are expected to do.
@@ -395,7 +393,6 @@ class LLMEngine:
             decode_tokens_by_rank=backlog.decode_tokens_by_rank,
             running_left=backlog.running_left,
             preemptible_by_rank=backlog.preemptible_by_rank,
-            best_waiting_rank=backlog.best_waiting_rank,
             waiting_by_rank=backlog.waiting_by_rank,
             stop_hazard=self._stop_hazard.per_token,
             stop_curve=self._stop_hazard.curve,

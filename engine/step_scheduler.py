@@ -148,13 +148,17 @@ class RankBacklog:
     # Empty while a slot (and blocks) is free: a newcomer then waits for no release, only
     # for the prefill ahead of it, even with requests waiting here for prefill budget.
     running_left: tuple[tuple[int, int, bool], ...] = ()
-    # Running preemptible requests per rank, and the best rank waiting here: a newcomer
-    # of a rank better than both displaces one of those at once (displacing_rank_bound).
+    # Running preemptible requests per rank: a newcomer of a rank better than theirs and
+    # than the best waiting here displaces one of those at once (displacing_rank_bound).
     preemptible_by_rank: dict[int, int] = field(default_factory=dict)
-    best_waiting_rank: float = math.inf
     # Requests holding no slot yet (waiting, preempted) per rank: ahead of a newcomer of
     # their rank or worse in the line for one.
     waiting_by_rank: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def best_waiting_rank(self) -> float:
+        """The best rank with a request waiting here for a slot (inf: none waits)."""
+        return min(self.waiting_by_rank, default=math.inf)
 
 
 @dataclass
@@ -271,7 +275,6 @@ class StepScheduler:
             decode,
             running_left,
             preemptible,
-            min(waiting, default=math.inf),
             waiting,
         )
 

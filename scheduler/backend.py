@@ -343,6 +343,11 @@ def worker_details(**values: Any) -> dict[str, Any]:
     }
 
 
+def best_rank_waiting(waiting_by_rank: Mapping[int, int]) -> float:
+    """The best rank with a request waiting for a slot (inf: none waits)."""
+    return min((rank for rank, num in waiting_by_rank.items() if num > 0), default=math.inf)
+
+
 def add_by_rank(total: dict[int, int], part: Mapping[int, int]) -> dict[int, int]:
     """Add one worker's per-rank counts into a fleet total (returns `total`)."""
     for rank, num in part.items():
@@ -507,14 +512,13 @@ class QueueBackend(Protocol):
         num_free_seqs: int = 0,
         release_ms: Sequence[float] | None = None,
         preemptible_by_rank: Mapping[int, int] | None = None,
-        best_waiting_rank: float = math.inf,
         waiting_by_rank: Mapping[int, int] | None = None,
         **details: float | None,
     ) -> None:
         """A worker's measured rates, its engine's backlog per rank (EngineStats), the
         requests it would start at its next step, and the waits for its next slot
-        releases with its running preemptible sequences per rank, the best rank waiting
-        in its engine and its requests waiting for a slot per rank
+        releases with its running preemptible sequences per rank and its requests
+        waiting for a slot per rank
         (scheduler.slot_release; `release_ms` None: not reported, as by an older
         worker); they count for ttl_ms (publish again
         to stay live). A report replaces the worker's previous one. `details`: the

@@ -228,7 +228,6 @@ class Dispatcher:
                 quantile=self._config.slot_wait_quantile,
             ),
             preemptible_by_rank=getattr(snapshot, "preemptible_by_rank", None),
-            best_waiting_rank=getattr(snapshot, "best_waiting_rank", math.inf),
             waiting_by_rank=getattr(snapshot, "waiting_by_rank", None),
             **{name: getattr(snapshot, name, None) for name in WORKER_DETAIL_TYPES},
         )

@@ -34,6 +34,7 @@ from scheduler.backend import (
     WorkAhead,
     WorkerReport,
     add_by_rank,
+    best_rank_waiting,
     worker_details,
 )
 from scheduler.job import Job
@@ -607,7 +608,6 @@ class MemoryBackend:
         num_free_seqs: int = 0,
         release_ms: Sequence[float] | None = None,
         preemptible_by_rank: Mapping[int, int] | None = None,
-        best_waiting_rank: float = math.inf,
         waiting_by_rank: Mapping[int, int] | None = None,
         **details: float | None,
     ) -> None:
@@ -615,6 +615,7 @@ class MemoryBackend:
             self._clock_ms(),
             worker_details(**details),
         )
+        waiting = {int(r): int(n) for r, n in (waiting_by_rank or {}).items()}
         report = FleetCapacity(
             1,
             float(prefill_tokens_per_s),
@@ -626,10 +627,10 @@ class MemoryBackend:
             (
                 (
                     {int(r): int(n) for r, n in (preemptible_by_rank or {}).items()},
-                    float(best_waiting_rank),
+                    best_rank_waiting(waiting),
                 ),
             ),
-            {int(r): int(n) for r, n in (waiting_by_rank or {}).items()},
+            waiting,
         )
         until_ms = self._clock_ms() + ttl_ms
         self._workers[worker_id] = (until_ms, report)

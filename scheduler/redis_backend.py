@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import math
 import re
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -46,6 +45,7 @@ from scheduler.backend import (
     WorkAhead,
     WorkerReport,
     add_by_rank,
+    best_rank_waiting,
     worker_details,
 )
 from scheduler.job import Job
@@ -136,7 +136,6 @@ _CAPACITY_FIELDS = (
     "num_free_seqs",
     "release_ms",
     "preemptible_by_rank",
-    "best_waiting_rank",
     "waiting_by_rank",
     "reported_at_ms",
 )
@@ -468,7 +467,6 @@ class RedisBackend:
         num_free_seqs: int = 0,
         release_ms: Sequence[float] | None = None,
         preemptible_by_rank: Mapping[int, int] | None = None,
-        best_waiting_rank: float = math.inf,
         waiting_by_rank: Mapping[int, int] | None = None,
         **details: float | None,
     ) -> None:
@@ -488,7 +486,6 @@ class RedisBackend:
                         "num_free_seqs": max(0, int(num_free_seqs)),
                         "release_ms": _releases_json(release_ms),
                         "preemptible_by_rank": _rank_json(preemptible_by_rank),
-                        "best_waiting_rank": repr(float(best_waiting_rank)),
                         "waiting_by_rank": _rank_json(waiting_by_rank),
                         "reported_at_ms": now_ms,
                         **{name: _optional(value) for name, value in shown.items()},
@@ -529,7 +526,7 @@ class RedisBackend:
             # An older worker's report has no free slots: its decodes always count.
             sum(report.num_free_seqs for report in reports),
             releases,
-            tuple((r.preemptible_by_rank, r.best_waiting_rank) for r in reports),
+            tuple((r.preemptible_by_rank, best_rank_waiting(r.waiting_by_rank)) for r in reports),
             waiting,
         )
 
@@ -706,13 +703,12 @@ class _CapacityRow:
     num_free_seqs: int
     release_ms: tuple[float, ...] | None  # None: not reported (an older worker)
     preemptible_by_rank: dict[int, int]
-    best_waiting_rank: float
     waiting_by_rank: dict[int, int]
     age_ms: int  # since the report, by the queue's clock (0: unknown, an older worker)
 
     @classmethod
     def parse(cls, row: Sequence[str | None], now_ms: int) -> _CapacityRow:
-        prefill, decode, unprefilled, held, free, releases, preemptible, best, waiting, at_ms = row
+        prefill, decode, unprefilled, held, free, releases, preemptible, waiting, at_ms = row
         return cls(
             float(prefill or 0.0),
             float(decode or 0.0),
@@ -721,7 +717,6 @@ class _CapacityRow:
             int(free or 0),
             _releases(releases),
             _rank_map(preemptible),
-            float(best) if best else math.inf,
             _rank_map(waiting),
             max(0, now_ms - int(at_ms)) if at_ms else 0,
         )

@@ -160,7 +160,6 @@ class TieredQueue:
                     backlog.running_left, stop_curve, num_running, decode_tokens_per_s
                 ),
                 preemptible_by_rank=backlog.preemptible_by_rank,
-                best_waiting_rank=backlog.best_waiting_rank,
                 waiting_by_rank=backlog.waiting_by_rank,
             )
         )
