@@ -46,9 +46,9 @@ def worker_view(report: WorkerReport) -> dict:
         # Requests its engine would start at its next step: SLO admission counts the
         # decodes ahead of a new request only when none is free.
         "num_free_seqs": report.num_free_seqs,
-        # With none free, by when its running requests free the next one with 90%
-        # probability (scheduler.slot_release; null: nothing runs), and how many of them
-        # a better rank may preempt instead.
+        # With none free, when its running requests are expected to free the next one,
+        # or by when they do at TIERGATE_SLOT_WAIT_QUANTILE (scheduler.slot_release; null:
+        # nothing runs), and how many of them a better rank may preempt instead.
         "next_release_ms": report.release_ms[0] if report.release_ms else None,
         "num_preemptible_seqs": report.num_preemptible_seqs,
         "kv_cache_usage": report.kv_cache_usage,
