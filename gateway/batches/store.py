@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Select, and_, case, delete, func, or_, select, update
@@ -57,12 +58,38 @@ _STATUS_TIME = {
 INSERT_CHUNK_LINES = 1_000
 
 
-def new_file_id() -> str:
-    return f"file-{secrets.token_hex(12)}"
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_MS = timedelta(milliseconds=1)
+_FILE_ID = re.compile(r"file-([0-9a-f]{12})[0-9a-f]{12}")
+
+
+def _whole_ms(at: datetime) -> datetime:
+    """A file's creation time: `at` to the millisecond its id holds."""
+    return at.replace(microsecond=at.microsecond // 1000 * 1000)
+
+
+def new_file_id(created_at: datetime) -> str:
+    """`file-`, the creation time in milliseconds (12 hex digits) and 48 random bits.
+    The id alone places the file in the (created_at, id) order of a listing, so a client
+    listing with `after=` a file it has just deleted (delete-while-listing, as the
+    client's auto-pagination does) gets the next page instead of a 400."""
+    return f"file-{(created_at - _EPOCH) // _MS:012x}{secrets.token_hex(6)}"
+
+
+def _file_id_created_at(file_id: str) -> datetime | None:
+    """The creation time a file id holds (None: not one of new_file_id's form)."""
+    match = _FILE_ID.fullmatch(file_id)
+    return None if match is None else _EPOCH + int(match.group(1), 16) * _MS
 
 
 def new_batch_id() -> str:
     return f"batch_{secrets.token_hex(12)}"
+
+
+# str.splitlines, and so many JSONL readers, also end a line at these. JSON allows them
+# raw in strings, where a prompt or the model's text may put them: escaped, every record
+# is one line for any reader.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
 def result_line(
@@ -78,7 +105,7 @@ def result_line(
         "response": response,
         "error": error,
     }
-    return json.dumps(line, separators=(",", ":"), ensure_ascii=False)
+    return json.dumps(line, separators=(",", ":"), ensure_ascii=False).translate(_LINE_BREAKS)
 
 
 @dataclass(frozen=True)
@@ -147,14 +174,15 @@ class BatchStore:
         """Store an upload; StorageQuotaError if the tenant's uploads would then hold
         more than `quota_bytes` (the files batches write are not counted: they are
         bounded by their inputs)."""
+        created_at = _whole_ms(utcnow())
         row = FileRow(
-            id=new_file_id(),
+            id=new_file_id(created_at),
             tenant_id=tenant_id,
             purpose=purpose,
             filename=filename,
             num_bytes=len(content),
             content=content,
-            created_at=utcnow(),
+            created_at=created_at,
         )
         async with self._sessionmaker() as session, session.begin():
             if quota_bytes is not None:
@@ -191,8 +219,9 @@ class BatchStore:
         descending: bool,
         purpose: str | None,
     ) -> tuple[list[FileRow], bool] | None:
-        """A page of the tenant's files (bytes not loaded) and whether more follow; None
-        if `after` names no file of the tenant."""
+        """A page of the tenant's files (bytes not loaded) and whether more follow,
+        after the place of the file `after` (its own, or one deleted since: its id holds
+        that place); None if `after` is no file id."""
         async with self._sessionmaker() as session:
             query = (
                 select(FileRow)
@@ -207,6 +236,9 @@ class BatchStore:
                         FileRow.id == after, FileRow.tenant_id == tenant_id
                     )
                 )
+                # Files stored before ids held their time have random ids: one of those
+                # deleted (or another tenant's) is no place.
+                cursor = cursor or _file_id_created_at(after)
                 if cursor is None:
                     return None
                 query = query.where(_past_cursor(FileRow, cursor, after, descending))
@@ -623,14 +655,15 @@ async def _add_output_file(
 ) -> str | None:
     if not content:
         return None  # as OpenAI: no output file without successes, no error file without errors
+    created_at = _whole_ms(now)
     row = FileRow(
-        id=new_file_id(),
+        id=new_file_id(created_at),
         tenant_id=batch.tenant_id,
         purpose=OUTPUT_PURPOSE,
         filename=f"{batch.id}_{kind}.jsonl",
         num_bytes=len(content),
         content=content,
-        created_at=now,
+        created_at=created_at,
     )
     session.add(row)
     await session.flush()

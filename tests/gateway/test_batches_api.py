@@ -183,6 +183,24 @@ def test_text_completions_batch(live_server: LiveServer) -> None:
     assert batch.error_file_id is None
 
 
+def test_output_lines_stay_one_line_for_every_line_splitter(live_server: LiveServer) -> None:
+    """JSON allows U+0085, U+2028 and U+2029 raw in strings, and str.splitlines (as many
+    JSONL readers) ends a line at each: the output file escapes them."""
+    client = live_server.client(_tenant_key(live_server, "batch"))
+    prompt = "a\u2028b\u2029c\x85d"
+    line = {
+        "custom_id": "breaks",
+        "method": "POST",
+        "url": COMPLETIONS,
+        "body": {"model": MODEL, "prompt": prompt, "max_tokens": 1, "echo": True},
+    }
+    batch = _wait(client, _submit(client, [line], COMPLETIONS).id)
+    raw = client.files.content(batch.output_file_id).text
+    assert not any(c in raw for c in "\x85\u2028\u2029")
+    (result,) = _results(client, batch.output_file_id)  # one line, by splitlines too
+    assert result["response"]["body"]["choices"][0]["text"].startswith(prompt)
+
+
 def test_tenant_below_batch_tier_runs_at_its_own(live_server: LiveServer) -> None:
     with live_server.admin() as admin:
         name = f"bulk-{uuid.uuid4().hex[:6]}"
@@ -441,8 +459,30 @@ def test_files_list_pages_by_cursor_and_purpose(live_server: LiveServer) -> None
     ):
         with pytest.raises(openai.BadRequestError):
             client.files.list(**bad)  # type: ignore[arg-type]
-    with pytest.raises(openai.BadRequestError):
-        other.files.list(after=ids[0])  # another tenant's file is no cursor
+    # Another tenant's file id is a place in the order like any id: the page holds only
+    # the tenant's own files (here none was made before it).
+    assert other.files.list(after=ids[0]).data == []
+
+
+def test_files_deleted_while_listing_do_not_break_the_listing(live_server: LiveServer) -> None:
+    """The client's auto-pagination asks for the page after the last file it got, which
+    the loop has just deleted: the deleted id still names its place."""
+    client = live_server.client(_tenant_key(live_server, "batch"))
+    for order in ("asc", "desc"):
+        ids = [
+            client.files.create(file=(f"{i}.jsonl", _jsonl([_chat_line("a")])), purpose="batch").id
+            for i in range(5)
+        ]
+        seen = []
+        for listed in client.files.list(limit=2, order=order):
+            seen.append(listed.id)
+            assert client.files.delete(listed.id).deleted
+        assert seen == (ids if order == "asc" else ids[::-1])
+        assert client.files.list().data == []
+    created = client.files.create(file=("x.jsonl", _jsonl([_chat_line("x")])), purpose="batch")
+    # The id holds the creation time in milliseconds (the place it keeps once deleted).
+    assert int(created.id[5:17], 16) // 1000 == created.created_at
+    client.files.delete(created.id)
 
 
 def _long_lines(n: int) -> list[dict[str, Any]]:
