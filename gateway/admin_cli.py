@@ -47,10 +47,17 @@ def number(raw: str) -> float:
     return value
 
 
+# Past this a timeout or poll interval overflows the clocks it is handed to (socket
+# timeouts, time.sleep) with a traceback; a million seconds is over eleven days.
+MAX_SECONDS = 1_000_000
+
+
 def positive_seconds(raw: str) -> float:
     value = number(raw)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{raw!r} is not a positive number of seconds")
+    if not 0 < value <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(
+            f"{raw!r} is not a number of seconds above 0 and at most {MAX_SECONDS:,}"
+        )
     return value
 
 

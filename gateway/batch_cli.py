@@ -271,6 +271,14 @@ def _results(client: BatchClient, args: argparse.Namespace) -> int:
             where = f"line {error['line']}: " if error.get("line") else ""
             print(f"  {where}{error.get('code')}: {error.get('message')}", file=sys.stderr)
         return 1
+    if args.errors is not None and args.errors.resolve() == args.output.resolve():
+        # The second write would replace the first: leave --errors out to put both there.
+        print(
+            "tiergate batch: -o and --errors name the same file; leave --errors out to write "
+            "the error lines after the results",
+            file=sys.stderr,
+        )
+        return 2
     output = client.content(batch["output_file_id"]) if batch["output_file_id"] else b""
     errors = client.content(batch["error_file_id"]) if batch["error_file_id"] else b""
     try:

@@ -129,10 +129,12 @@ def _check_database_url(url: str) -> None:
             f"database_url {url!r} is not a database URL; use sqlite+aiosqlite:///PATH or "
             "postgresql+asyncpg://USER@HOST/DB"
         ) from None
-    backend, driver = parsed.get_backend_name(), parsed.get_driver_name()
+    # Read from the URL's text: asking SQLAlchemy for the driver loads the dialect, and an
+    # unknown one (postgres://, as some hosts write it) raised NoSuchModuleError.
+    backend, _, driver = parsed.drivername.partition("+")
     if _DATABASE_DRIVERS.get(backend) != driver:
         raise SettingsError(
-            f"database_url must use sqlite+aiosqlite or postgresql+asyncpg, not {backend}+{driver}"
+            f"database_url must use sqlite+aiosqlite or postgresql+asyncpg, not {parsed.drivername}"
         )
 
 

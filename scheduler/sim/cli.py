@@ -218,6 +218,9 @@ def _calibrate(args: argparse.Namespace) -> int:
     if args.save_samples and not args.measure:
         # The samples are the --samples file already; silently writing nothing misled.
         raise SimulationError("--save-samples goes with --measure, not --samples")
+    if args.out.resolve() in {p.resolve() for p in (args.samples, args.save_samples) if p}:
+        # The preset would overwrite the samples it was fitted on.
+        raise SimulationError("--out must not be the samples file")
     base = load_params(args.base)
     # A measurement takes a minute or more: an output it cannot write is said first.
     _check_writable(args.out, "--out")

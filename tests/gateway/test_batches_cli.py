@@ -111,6 +111,13 @@ def test_errors_and_usage(live_server: LiveServer, tmp_path: Path, capsys) -> No
     assert "is a directory" in capsys.readouterr().err
     unreachable = ["--url", "http://127.0.0.1:9", "--api-key", "k", "--timeout-s", "2"]
     assert main(["batch", "status", "batch_x", *unreachable]) == 2
+    # Seconds past what the clocks take (an OverflowError traceback before, with --poll-s
+    # after the batch was made): an argument error before anything is sent.
+    for flag in ("--timeout-s", "--poll-s"):
+        with pytest.raises(SystemExit) as exited:
+            main(["batch", "submit", str(path), *base, "--api-key", "k", "--wait", flag, "1e12"])
+        assert exited.value.code == 2
+        assert "at most 1,000,000" in capsys.readouterr().err
 
 
 def test_progress_line() -> None:
@@ -142,3 +149,18 @@ def test_results_of_a_failed_batch_say_why_and_exit_1(
     missing = tmp_path / "no" / "such" / "dir.jsonl"
     assert main(["batch", "results", batch_id, "-o", str(missing), *flags]) == 1
     assert "cannot write the results" in capsys.readouterr().err
+    # -o and --errors on one file: the errors replaced the results before, and it said
+    # it wrote both.
+    same = tmp_path / "same.jsonl"
+    results = [
+        "batch",
+        "results",
+        batch_id,
+        "-o",
+        str(same),
+        "--errors",
+        f"{tmp_path}/./same.jsonl",
+    ]
+    assert main([*results, *flags]) == 2
+    assert "name the same file" in capsys.readouterr().err
+    assert not same.exists()

@@ -61,6 +61,9 @@ def test_settings_defaults_env_and_flags(tmp_path: Path) -> None:
         {"TIERGATE_DEVICE": "tpu"},
         {"TIERGATE_DATABASE_URL": "garbage"},
         {"TIERGATE_DATABASE_URL": "sqlite:///no-async-driver.db"},
+        # Dialects SQLAlchemy does not know: a traceback before, from loading the plugin.
+        {"TIERGATE_DATABASE_URL": "postgres://u@127.0.0.1/db"},
+        {"TIERGATE_DATABASE_URL": "sqlite3:///x.db"},
         {"TIERGATE_REDIS_URL": "notaurl"},
         {"TIERGATE_MAX_MODEL_LEN": "0"},
         {"TIERGATE_KV_CACHE_BYTES": "-5"},
@@ -79,6 +82,13 @@ def test_settings_defaults_env_and_flags(tmp_path: Path) -> None:
 def test_bad_settings_are_reported(env: dict[str, str]) -> None:
     with pytest.raises(SettingsError):
         settings_from_env(env)
+
+
+def test_an_unknown_database_dialect_is_one_message(capsys) -> None:
+    assert main(["migrate", "--database-url", "postgres://u@127.0.0.1/db"]) == 2
+    err = capsys.readouterr().err
+    assert "must use sqlite+aiosqlite or postgresql+asyncpg, not postgres" in err
+    assert "Traceback" not in err
 
 
 def test_bad_environment_exits_2_with_a_message(monkeypatch, capsys) -> None:

@@ -360,6 +360,20 @@ def test_calibrate_measure_refuses_a_device_it_cannot_use_in_one_line(tmp_path, 
     assert "CUDA is not available" in err
 
 
+def test_calibrate_refuses_to_write_the_preset_over_its_samples(tmp_path, capsys) -> None:
+    samples = _write_samples(
+        tmp_path, load_preset("cpu-tiny"), [StepShape(n, n * 100) for n in (1, 8)]
+    )
+    before = samples.read_bytes()
+    for argv in (
+        ["calibrate", "--samples", str(samples), "--out", str(samples)],
+        ["calibrate", "--measure", "--save-samples", str(samples), "--out", str(samples)],
+    ):
+        assert main(argv) == 2
+        assert capsys.readouterr().err.splitlines() == ["error: --out must not be the samples file"]
+        assert samples.read_bytes() == before
+
+
 @pytest.mark.parametrize("flag", ["--out", "--save-samples"])
 def test_calibrate_measure_refuses_an_output_it_cannot_write_before_measuring(
     tmp_path, capsys, flag: str
