@@ -14,6 +14,7 @@ admitted requests is reported beside it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -333,7 +334,7 @@ def evaluate(experiment: Experiment) -> list[Target]:
     top = min(ours, key=lambda load: abs(load - 1.5))
     ratio = ours[top].output_tokens_per_s / max(fcfs[top].output_tokens_per_s, 1e-9)
     targets.append(
-        Target(2, f"Throughput ≥ 98% of FCFS (at {top:g}x)", f"{ratio:.1%}", "≥ 98%", ratio >= 0.98)
+        Target(2, f"Throughput ≥ 98% of FCFS (at {top:g}x)", _share(ratio), "≥ 98%", ratio >= 0.98)
     )
 
     # 3. At the load where FCFS keeps 90% interactive attainment (1.0x by definition).
@@ -416,7 +417,8 @@ def evaluate(experiment: Experiment) -> list[Target]:
             5,
             "At 1.5x: admitted attainment ≥ 95%; ≥ 10x fewer violations than FCFS; "
             "≥ 90% of refusals on batch/over-quota; no batch starvation below 0.9x",
-            f"{_share(adm_att)}; {compared}; {batch_share:.0%} of {total_refused}; {starved_text}",
+            f"{_share(adm_att)}; {compared}; {_share(batch_share, 0)} of {total_refused}; "
+            f"{starved_text}",
             "≥ 95%; ≥ 10x; ≥ 90%; 0",
             measured
             and adm_att is not None
@@ -430,8 +432,13 @@ def evaluate(experiment: Experiment) -> list[Target]:
     return targets
 
 
-def _share(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.1%}"
+def _share(value: float | None, digits: int = 1) -> str:
+    """A percentage rounded down: every target compares with ≥, and 97.96% shown as
+    "98.0%" beside a FAIL of "≥ 98%" read as a wrong verdict."""
+    if value is None:
+        return "n/a"
+    scale = 10 ** (digits + 2)
+    return f"{math.floor(value * scale + 1e-9) / scale:.{digits}%}"
 
 
 def _load(found: GoodputAt90) -> str:
