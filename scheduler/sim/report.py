@@ -210,6 +210,11 @@ def to_json(experiment: Experiment) -> str:
         "preset": experiment.config.params.to_dict(),
         "num_engines": experiment.config.num_engines,
         "duration_s": experiment.config.duration_s,
+        # The drain changes every attainment (what is unfinished at its end is missed).
+        "drain_s": experiment.config.drain_s,
+        "suite_duration_s": experiment.config.suite_duration_s,
+        "load_factors": list(experiment.config.load_factors),
+        "policies": list(experiment.config.policies),
         "seed": experiment.config.seed,
         "capacity_rate_per_s": experiment.capacity_rate_per_s,
         "targets": [asdict(t) for t in experiment.targets],

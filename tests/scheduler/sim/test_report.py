@@ -58,6 +58,12 @@ def test_report_files(experiment, tmp_path) -> None:
     assert "tiergate simulate report --quick" in md
     data = json.loads((tmp_path / "report.json").read_text())
     assert data["capacity_rate_per_s"] == 9.0
+    # Every setting that changes the numbers, so the JSON alone says how it was run.
+    config = experiment.config
+    assert data["drain_s"] == config.drain_s
+    assert data["suite_duration_s"] == config.suite_duration_s
+    assert data["load_factors"] == list(config.load_factors)
+    assert data["policies"] == list(config.policies)
     assert data["sweep"]["tiered"]["1.5"]["tiers"]["priority"]["num_offered"] > 0
     assert len(data["targets"]) == 5
     # Goodput at 90% attainment, searched for both ways of counting attainment.
