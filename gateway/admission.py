@@ -42,6 +42,7 @@ from scheduler.rate_limit import (
     TenantLimits,
 )
 from scheduler.results import JobClient, JobStream, QueueTimeoutError
+from scheduler.slot_release import nth_release_ms
 
 log = logging.getLogger(__name__)
 
@@ -211,9 +212,13 @@ class Admission:
             if exc.retry_after_ms is not None:
                 retry_s: float | None = exc.retry_after_ms / 1000.0
             else:
-                # The concurrency cap: a slot frees when one of the tenant's requests
-                # ends, expected after the fleet's time for one request like this one.
-                retry_s = await self._service_s(job)
+                # The concurrency cap: slots free as the tenant's running requests end.
+                # The fleet's time for one request like this one (the fallback, when none
+                # of them streams through this gateway) was 15 ms where a tenant's one
+                # running request had seconds left: its client retried 60 times a second.
+                retry_s = self._jobs.tenant_release_s(job.tenant_id, exc.num_slots_short)
+                if retry_s is None:
+                    retry_s = await self._service_s(job)
             raise RateLimitedError(
                 exc.message,
                 code=RATE_LIMIT_CODES[exc.limit],
@@ -254,12 +259,10 @@ class Admission:
                 headers=headers,
             ) from exc
         except QueueFullError as exc:
-            # A place frees when a queued job leaves: expected after the fleet's time for
-            # one job like this one.
             raise RateLimitedError(
                 f"The {exc.tier!r} queue is full; retry later.",
                 code="queue_full",
-                retry_after_s=await self._service_s(job),
+                retry_after_s=await self._queue_place_s(job, tier.rank),
                 headers=headers,
             ) from exc
         except NoCapacityError as exc:
@@ -279,6 +282,21 @@ class Admission:
                 raise NoCapacityError("no live worker reports any capacity")
             return None
         return slo_budget(capacity, self._config, rank=tier.rank, ttft_slo_ms=tier.ttft_slo_ms)
+
+    async def _queue_place_s(self, job: Job, rank: int) -> float | None:
+        """When a full tier queue has a place again: when one of its jobs leaves it for a
+        sequence slot. With none free and none to preempt, that is the fleet's next slot
+        release after those the requests of its rank or better waiting in engines take;
+        else about the fleet's time for one job like this one. (That time alone, a few
+        milliseconds for a short job, was told while every slot held seconds of work.)"""
+        try:
+            capacity = await self._capacity.fleet_capacity()
+        except BackendUnavailableError:
+            return None
+        is_full = capacity.num_free_seqs <= 0 and capacity.num_preemptible_seqs(rank) <= 0
+        if is_full and capacity.release_ms:
+            return nth_release_ms(capacity.release_ms, capacity.num_waiting_ahead(rank)) / 1000.0
+        return await self._service_s(job)
 
     async def _service_s(self, job: Job) -> float | None:
         """The fleet's time for one job like `job` (None if unknown)."""

@@ -111,13 +111,20 @@ class RateLimitExceededError(Exception):
     the TPM limit, or the tenant is at its concurrency cap until a request ends)."""
 
     def __init__(
-        self, limit: LimitName, retry_after_ms: int | None, status: RateLimitStatus, message: str
+        self,
+        limit: LimitName,
+        retry_after_ms: int | None,
+        status: RateLimitStatus,
+        message: str,
+        num_slots_short: int = 0,
     ) -> None:
         super().__init__(message)
         self.limit = limit
         self.retry_after_ms = retry_after_ms
         self.status = status
         self.message = message
+        # At the concurrency cap: how many of the tenant's running requests must end first.
+        self.num_slots_short = num_slots_short
 
 
 @dataclass
@@ -143,7 +150,12 @@ class RequestExceedsLimitError(RateLimitExceededError):
 
 
 def _refused(
-    outcome: str, wait_ms: int, limits: TenantLimits, num_tokens: int, status: RateLimitStatus
+    outcome: str,
+    wait_ms: int,
+    limits: TenantLimits,
+    num_tokens: int,
+    status: RateLimitStatus,
+    num_slots_short: int = 0,
 ) -> RateLimitExceededError:
     if outcome == "too_large":
         return RequestExceedsLimitError(
@@ -159,6 +171,7 @@ def _refused(
             None,
             status,
             f"Too many concurrent requests (limit {limits.max_concurrency}).",
+            num_slots_short,
         )
     per_minute = limits.rpm if outcome == "requests" else limits.tpm
     return RateLimitExceededError(
@@ -220,7 +233,8 @@ class MemoryRateLimiter:
                 outcome = "requests" if req_wait >= tok_wait else "tokens"
                 wait = max(req_wait, tok_wait)
         if outcome != "ok":
-            raise _refused(outcome, wait, limits, num_tokens, _status(limits, req, tok))
+            short = len(b.inflight) + num_slots - max_conc
+            raise _refused(outcome, wait, limits, num_tokens, _status(limits, req, tok), short)
         b.req = req - UNITS_PER_TOKEN if rpm else None
         b.tok = tok - cost if tpm else None
         b.ts_ms = now
@@ -311,7 +325,7 @@ class RedisRateLimiter:
         """As MemoryRateLimiter.reserve, in one script call (rate_reserve.lua)."""
         rid = reservation_id or uuid.uuid4().hex
         with unavailable_as_error():
-            outcome, wait, req, tok, _ = await run_script(
+            outcome, wait, req, tok, inflight = await run_script(
                 self._reserve,
                 self._channel,
                 [
@@ -329,7 +343,8 @@ class RedisRateLimiter:
             )
         status = _status(limits, int(req), int(tok))
         if outcome != "ok":
-            raise _refused(outcome, int(wait), limits, num_tokens, status)
+            short = int(inflight) + num_slots - (limits.max_concurrency or 0)
+            raise _refused(outcome, int(wait), limits, num_tokens, status, short)
         return Reservation(rid, tenant_id, num_tokens, limits, status, num_slots)
 
     async def release(self, reservation: Reservation, num_used_tokens: int) -> bool:

@@ -26,6 +26,7 @@ import contextlib
 import logging
 import os
 import socket
+import statistics
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -34,6 +35,7 @@ from typing import Any
 
 from engine.errors import EngineDeadError, RequestAbortedError
 from engine.request import TokenLogprob
+from engine.stop_hazard import StopHazard, age_bucket, count_ages, new_step_counts
 from scheduler.admission import NoCapacityError
 from scheduler.backend import (
     GATEWAY_LOST,
@@ -47,6 +49,7 @@ from scheduler.backend import (
 )
 from scheduler.job import Job
 from scheduler.logprobs import decode_logprobs
+from scheduler.slot_release import release_steps
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +163,8 @@ class JobStream:
         # A client waits on it: answered no_capacity when no worker is left to serve it
         # (a Batch API line waits for one instead).
         self.needs_worker = False
+        # Called once with the finish reason when the job has finished.
+        self.on_finished: Callable[[JobStream, str | None], None] | None = None
         self._items: asyncio.Queue[Any] = asyncio.Queue()
         self._reader: asyncio.Task[None] | None = None
         # The queue-timeout check: a timer while waiting, a task once it fires.
@@ -194,6 +199,8 @@ class JobStream:
                         self._dispatched(event)
                     self._put(self._output(event, finished=True))
                     self._end(None)
+                    if self.on_finished is not None:
+                        self.on_finished(self, event.finish_reason)
                     return
                 else:
                     self._end(self._error(event))
@@ -314,6 +321,8 @@ class JobClient:
         self._pending_cancels: dict[str, float] = {}
         self._no_worker_since: float | None = None  # monotonic; None while one is live
         self._background: set[asyncio.Task[Any]] = set()
+        # How the jobs that finished here stopped, by age (see tenant_release_s).
+        self.stop_hazard = StopHazard()
 
     @property
     def backend(self) -> QueueBackend:
@@ -387,8 +396,41 @@ class JobClient:
             raise EngineDeadError("the server is shutting down")
         self._start_keeper()
         stream = JobStream(job, time.monotonic())
+        stream.on_finished = self._learn_stop
         self._streams[job.job_id] = stream
         return stream
+
+    def _learn_stop(self, stream: JobStream, finish_reason: str | None) -> None:
+        """Count a finished job's tokens by age, and its stop if it stopped before its
+        max_tokens, as an engine counts its requests' (engine.stop_hazard)."""
+        num_tokens = stream.num_output_tokens
+        if num_tokens <= 0 or not stream.job.params.can_stop_early:
+            return
+        tokens, stops = new_step_counts(), new_step_counts()
+        count_ages(tokens, 0, num_tokens)
+        if finish_reason == "stop":
+            stops[age_bucket(num_tokens - 1)] += 1
+        self.stop_hazard.record(tokens, stops)
+
+    def tenant_release_s(self, tenant_id: str, num_slots: int) -> float | None:
+        """Seconds until `num_slots` of the tenant's jobs that stream through this client
+        are expected to have ended: the k-th release (scheduler.slot_release) of those
+        that have streamed tokens, from the tokens each has left and how jobs that ended
+        here stopped, at the pace they have streamed (the median of their tokens per
+        second since their dispatch). None when none of the tenant's jobs streams here
+        (all queued, or through other gateways)."""
+        running, paces = [], []
+        for stream in self._streams.values():
+            made = stream.num_output_tokens
+            if stream.job.tenant_id != tenant_id or stream.dispatched_s is None or made == 0:
+                continue
+            params = stream.job.params
+            running.append((params.max_tokens - made, made, params.can_stop_early))
+            paces.append((stream.last_event_s - stream.dispatched_s) / made)
+        if not running:
+            return None
+        steps = release_steps(running, self.stop_hazard.curve, limit=max(num_slots, 1))
+        return steps[-1] * statistics.median(paces)
 
     async def _enqueue_then_follow(self, job: Job) -> AsyncIterator[ResultEvent]:
         try:

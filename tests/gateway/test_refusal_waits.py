@@ -1,0 +1,158 @@
+"""The Retry-After of the 429s that wait for running work: `concurrency_limit_exceeded`
+(one of the tenant's own requests must end) and `queue_full` (a queued job must leave
+for a sequence slot). Both told the fleet's time for one request like the refused one
+before, a few milliseconds for a short request while seconds of work stood ahead: a
+client that honoured it retried dozens of times a second.
+
+The concurrency case runs the real engine (tiny model) behind a real dispatcher and the
+gateway's Admission; the queue_full case reads a fleet report published to the queue.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from engine.request import SamplingParams
+from gateway.admission import Admission
+from gateway.auth import Principal
+from gateway.errors import RateLimitedError
+from gateway.tiers import TierPolicy
+from scheduler.dispatcher import Dispatcher
+from scheduler.job import Job
+from scheduler.memory_backend import MemoryBackend
+from scheduler.policy import TierConfig
+from scheduler.rate_limit import MemoryRateLimiter
+from scheduler.results import JobClient
+
+CAP = 2
+
+
+def _tier(name: str, rank: int, max_queued_jobs: int | None = None) -> TierPolicy:
+    return TierPolicy(
+        name, rank, None, None, None, max_queued_jobs, None, 0.0, False, None, None, None, 0, 0
+    )
+
+
+def _principal(tier: TierPolicy, max_concurrency: int | None = None) -> Principal:
+    return Principal(
+        "ten_a", "a", "key_a", tier, 1.0, rpm=None, tpm=None, max_concurrency=max_concurrency
+    )
+
+
+def _job(tier: TierPolicy, max_tokens: int, **params: object) -> Job:
+    return Job(
+        job_id=f"req_{uuid.uuid4().hex}",
+        tenant_id="ten_a",
+        tier=tier.name,
+        rank=tier.rank,
+        weight=1.0,
+        prompt_token_ids=(5, 6, 7, 8),
+        params=SamplingParams(max_tokens=max_tokens, temperature=0, **params),  # type: ignore[arg-type]
+        arrival_s=time.time(),
+    )
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+
+    eng = AsyncEngine(EngineConfig(model="tiny-random", device="cpu", max_model_len=512))
+    eng.start()
+    yield eng
+    eng.shutdown()
+
+
+async def test_the_concurrency_wait_is_when_the_tenants_running_request_ends(engine) -> None:
+    tier = _tier("interactive", 1)
+    backend = MemoryBackend([TierConfig(tier.name, tier.rank)])
+    dispatcher = Dispatcher(backend, engine)
+    admission = Admission(MemoryRateLimiter(), JobClient(backend, on_enqueue=dispatcher.notify))
+    principal = _principal(tier, max_concurrency=1)
+    dispatcher.start()
+    await dispatcher.publish_capacity()  # a live worker, before the first request
+    try:
+        long_job = _job(tier, 300, ignore_eos=True)  # runs to its 300 tokens
+        reservation = await admission.reserve(principal, long_job)
+        stream = await admission.enqueue(long_job, tier)
+        outputs = aiter(stream)
+        while (await anext(outputs)).num_output_tokens < 60:  # well under way
+            pass
+        with pytest.raises(RateLimitedError) as refused:
+            await admission.reserve(principal, _job(tier, 4))
+        told_at = time.monotonic()
+        assert refused.value.code == "concurrency_limit_exceeded"
+        async for _ in outputs:
+            pass
+        real_s = time.monotonic() - told_at
+        admission.release_soon(reservation, 300)
+        told_s = refused.value.retry_after_s
+        assert told_s is not None
+        # Before: about the time of one 4-token request, under a hundredth of this wait.
+        assert 0.33 * real_s <= told_s <= 3.0 * real_s, (told_s, real_s)
+    finally:
+        await dispatcher.aclose(0)
+        await admission.aclose()
+
+
+async def test_the_client_learns_how_finished_requests_stopped() -> None:
+    """A request that may stop early is expected to end as the ones that finished here
+    did, not at its max_tokens."""
+    client = JobClient(MemoryBackend())
+    tier = _tier("interactive", 1)
+    assert not client.stop_hazard.curve.is_measured
+    for _ in range(40):  # ended by a stop after 20 tokens
+        stream = client._open(_job(tier, 1000))
+        stream.num_output_tokens = 20
+        client._learn_stop(stream, "stop")
+        client._streams.pop(stream.job.job_id)
+    curve = client.stop_hazard.curve
+    assert curve.is_measured
+    # A new request with 1,000 tokens allowed is expected to make about 20, not 1,000.
+    assert curve.expected_tokens_left(0, 1000) < 100
+    # A request ended by its length says nothing of stops; one that cannot stop early
+    # (ignore_eos) is not counted at all.
+    before = client.stop_hazard.per_token
+    ignored = client._open(_job(tier, 10, ignore_eos=True))
+    ignored.num_output_tokens = 10
+    client._learn_stop(ignored, "length")
+    assert client.stop_hazard.per_token == before
+
+
+REPORT = {"prefill_tokens_per_s": 5_000.0, "decode_tokens_per_s": 500.0, "ttl_ms": 60_000}
+
+
+async def _full_queue(backend: MemoryBackend, tier: TierPolicy) -> Admission:
+    # Capacity read afresh at each request: the test publishes new reports in between.
+    admission = Admission(MemoryRateLimiter(), JobClient(backend), capacity_max_age_ms=0)
+    await backend.publish_capacity("w1", **REPORT, num_free_seqs=1)  # nothing takes them
+    for _ in range(CAP):
+        await admission.enqueue(_job(tier, 4), tier)
+    return admission
+
+
+async def test_a_full_queue_waits_for_the_fleets_next_slot_release() -> None:
+    tier = _tier("bulk", 2, max_queued_jobs=CAP)
+    backend = MemoryBackend([TierConfig(tier.name, tier.rank, max_queued_jobs=CAP)])
+    admission = await _full_queue(backend, tier)
+    try:
+        # Every slot is taken; one request of a better rank waits in an engine for one:
+        # it takes the first release, the queue's head the second.
+        await backend.publish_capacity(
+            "w1", **REPORT, release_ms=[1_500.0, 4_000.0, 9_000.0], waiting_by_rank={1: 1}
+        )
+        with pytest.raises(RateLimitedError) as refused:
+            await admission.enqueue(_job(tier, 4), tier)
+        assert refused.value.code == "queue_full"
+        assert refused.value.retry_after_s == pytest.approx(4.0, abs=0.2)
+        # A free slot: the head leaves at once, in about one short job's time.
+        await backend.publish_capacity("w1", **REPORT, num_free_seqs=1, release_ms=[4_000.0])
+        with pytest.raises(RateLimitedError) as refused:
+            await admission.enqueue(_job(tier, 4), tier)
+        assert refused.value.retry_after_s is not None
+        assert 0 < refused.value.retry_after_s < 0.2
+    finally:
+        await admission.aclose()
