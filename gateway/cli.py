@@ -286,7 +286,7 @@ def _rebuild_rollup(args: argparse.Namespace) -> int:
     if args.end > LATEST_ROLLUP_END:
         raise SettingsError(f"--end must be at most {LATEST_ROLLUP_END.isoformat()}")
     settings = settings_from_args(args)
-    _prepare_data_dir(settings)
+    _require_sqlite_file(settings)
     asyncio.run(_reach_database(settings))
     check_revision(settings.db_url, upgrades_on_start=False)
 
@@ -489,6 +489,20 @@ def _prepare_data_dir(settings: Settings) -> None:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise SettingsError(f"cannot use data directory {settings.data_dir}: {exc}") from None
+
+
+def _require_sqlite_file(settings: Settings) -> None:
+    """A maintenance command on a SQLite database that is not there: one message, where
+    connecting would create the directory and an empty file first."""
+    from sqlalchemy.engine import make_url
+
+    if not settings.is_embedded_db:
+        return
+    path = make_url(settings.db_url).database
+    if path and path != ":memory:" and not Path(path).is_file():
+        raise SettingsError(
+            f"no database at {path}: run tiergate migrate (or serve) with these settings first"
+        )
 
 
 @contextlib.contextmanager

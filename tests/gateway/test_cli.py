@@ -91,6 +91,15 @@ def test_an_unknown_database_dialect_is_one_message(capsys) -> None:
     assert "Traceback" not in err
 
 
+def test_a_maintenance_command_leaves_a_missing_data_dir_alone(tmp_path: Path, capsys) -> None:
+    """It created the directory and an empty database file, then asked for a migration."""
+    missing = tmp_path / "no" / "such"
+    argv = ["usage", "rebuild-rollup", "--start", "2025-06-01", "--end", "2025-06-02"]
+    assert main([*argv, "--data-dir", str(missing)]) == 2
+    assert "no database at" in capsys.readouterr().err
+    assert not (tmp_path / "no").exists()
+
+
 def test_bad_environment_exits_2_with_a_message(monkeypatch, capsys) -> None:
     monkeypatch.setenv("TIERGATE_PORT", "eighty")
     assert main(["migrate"]) == 2
@@ -272,7 +281,7 @@ def test_a_second_serve_on_the_same_data_dir_is_refused(tmp_path: Path) -> None:
         (
             ["usage", "rebuild-rollup", "--start", "2025-06-01", "--end", "2025-06-02"],
             {},
-            "the database is at revision none",
+            "no database at",
         ),
     ],
     ids=[
@@ -290,7 +299,7 @@ def test_a_second_serve_on_the_same_data_dir_is_refused(tmp_path: Path) -> None:
         "lease-huge",
         "rollup-range",
         "rollup-database",
-        "rollup-unmigrated",
+        "rollup-missing",
     ],
 )
 def test_what_would_fail_at_start_up_is_one_message(
