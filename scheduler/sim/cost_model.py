@@ -485,6 +485,9 @@ def _fit(base: RooflineParams, usable: Sequence[StepSample]) -> FitResult | None
         return None
     fitted = replace(
         base,
+        # Reports name the preset they ran: the fit is not the stock one it started from.
+        name=base.name if base.name.endswith("-calibrated") else f"{base.name}-calibrated",
+        description=f"{base.name} fitted to {len(usable)} measured steps",
         overhead_s=overhead,
         overhead_per_seq_s=per_seq,
         memory_efficiency=eff_mem,

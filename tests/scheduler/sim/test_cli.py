@@ -280,7 +280,11 @@ def test_calibrate_writes_efficiencies_within_peak_and_says_when_one_is_pinned(
     out = tmp_path / "fitted.json"
     assert main(["calibrate", "--samples", str(samples), "--out", str(out)]) == 0
     assert "memory efficiency is at its limit of 1" in capsys.readouterr().err
-    assert load_params(out).memory_efficiency == 1.0
+    fitted = load_params(out)
+    assert fitted.memory_efficiency == 1.0
+    # Labelled as a fit in the reports that run it, not as the stock preset.
+    assert fitted.name == "cpu-tiny-calibrated"
+    assert fitted.description == "cpu-tiny fitted to 6 measured steps"
     # The written file is a preset every command takes.
     assert main(["run", "--rate", "2", "--duration", "2", "--preset", str(out), "--json"]) == 0
 
