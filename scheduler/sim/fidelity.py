@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -82,16 +83,23 @@ def read_trace(lines: Iterable[str]) -> list[TraceRequest]:
             continue
         try:
             row = json.loads(line)
+            arrival, lengths = row["arrival_s"], (row["prompt_tokens"], row["max_tokens"])
             request = TraceRequest(
                 str(row["request_id"]),
-                float(row["arrival_s"]),
+                float(arrival),
                 str(row["tenant"]),
                 str(row["tier"]),
-                int(row["prompt_tokens"]),
-                int(row["max_tokens"]),
+                *(int(n) for n in lengths),
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise TraceError(f"trace line {lineno}: {exc!r}") from exc
+        # int("12") and float("Infinity") parse, and a bool is an int: a request at an
+        # infinite time never arrived, and 2.7 tokens ran as 2.
+        is_number = type(arrival) in (int, float) and math.isfinite(arrival)
+        if not is_number or any(type(n) is not int for n in lengths):
+            raise TraceError(
+                f"trace line {lineno}: arrival_s must be a finite number and the lengths integers"
+            )
         if request.arrival_s < 0 or request.num_prompt_tokens < 1 or request.max_tokens < 1:
             raise TraceError(f"trace line {lineno}: needs arrival_s >= 0 and lengths >= 1")
         trace.append(request)

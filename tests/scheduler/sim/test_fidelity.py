@@ -55,6 +55,18 @@ def test_read_trace_sorts_and_rejects_bad_lines() -> None:
         read_trace(['{"request_id": "a"}'])
     with pytest.raises(TraceError, match="lengths >= 1"):
         read_trace([lines[0].replace('"max_tokens": 3', '"max_tokens": 0')])
+    for field, bad in (
+        ("arrival_s", "NaN"),
+        ("arrival_s", "Infinity"),
+        ("arrival_s", '"2"'),
+        ("arrival_s", "true"),
+        ("prompt_tokens", "true"),
+        ("prompt_tokens", "2.7"),
+        ("max_tokens", '"3"'),
+    ):
+        good = {"arrival_s": "2", "prompt_tokens": "5", "max_tokens": "3"}[field]
+        with pytest.raises(TraceError, match="finite number and the lengths integers"):
+            read_trace([lines[0].replace(f'"{field}": {good}', f'"{field}": {bad}')])
     spec = three_tier_mix(1.0, 1.0)
     unknown = read_trace([lines[0].replace('"batch"', '"gold"')])
     with pytest.raises(TraceError, match="unknown tier"):
