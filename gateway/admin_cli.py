@@ -271,12 +271,21 @@ def _call_built(args: argparse.Namespace, build: Callable[[argparse.Namespace], 
     return _call(args, *request)
 
 
+def is_token_text(value: str) -> bool:
+    """Whether a secret can go in an Authorization header: printable ASCII, no space
+    (a token pasted with its newline failed as "cannot reach" the server)."""
+    return value.isascii() and value.isprintable() and not any(c.isspace() for c in value)
+
+
 def _call(args: argparse.Namespace, method: str, path: str, body: Any = None) -> int:
     if not args.admin_token:
         print("tiergate admin: set --admin-token or TIERGATE_ADMIN_TOKEN", file=sys.stderr)
         return 2
-    if not args.admin_token.isascii():
-        print("tiergate admin: the admin token is ASCII; this one is not", file=sys.stderr)
+    if not is_token_text(args.admin_token):
+        print(
+            "tiergate admin: the admin token is printable ASCII with no spaces; this one is not",
+            file=sys.stderr,
+        )
         return 2
     url = args.url.rstrip("/") + API_PREFIX + path
     try:

@@ -25,7 +25,7 @@ from typing import Any, TextIO
 
 import httpx
 
-from gateway.admin_cli import BadIdError, path_segment, positive_seconds
+from gateway.admin_cli import BadIdError, is_token_text, path_segment, positive_seconds
 from gateway.cli_output import print_json, print_subcommand_help
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -149,8 +149,11 @@ def _run(args: argparse.Namespace, action: Callable[[BatchClient, argparse.Names
     if not args.api_key:
         print("tiergate batch: set --api-key or TIERGATE_API_KEY", file=sys.stderr)
         return 2
-    if not args.api_key.isascii():
-        print("tiergate batch: API keys are ASCII; this one is not", file=sys.stderr)
+    if not is_token_text(args.api_key):
+        print(
+            "tiergate batch: API keys are printable ASCII with no spaces; this one is not",
+            file=sys.stderr,
+        )
         return 2
     try:
         # Checked before anything is sent (`submit` has no batch id).
@@ -184,8 +187,11 @@ def _submit(client: BatchClient, args: argparse.Namespace) -> int:
     if args.file.is_dir():
         print(f"tiergate batch: {args.file} is a directory, not a JSONL file", file=sys.stderr)
         return 2
-    if not args.file.is_file():
+    if not args.file.exists():
         print(f"tiergate batch: no such file: {args.file}", file=sys.stderr)
+        return 2
+    if not args.file.is_file():  # /dev/null, a pipe: the upload sends a regular file
+        print(f"tiergate batch: {args.file} is not a regular file", file=sys.stderr)
         return 2
     metadata = {}
     for pair in args.metadata:

@@ -151,9 +151,10 @@ def test_empty_ids_and_foreign_tokens_are_refused_plainly(server_url: str, capsy
     code, _, err = _run(capsys, server_url, "tiers", "get", "")
     assert code == 2
     assert "may not be empty" in err
-    code, _, err = _run(capsys, server_url, "tiers", "list", token="tøken")
-    assert code == 2
-    assert "ASCII" in err
+    for token in ("tøken", "token\n", "to ken"):  # a pasted newline: "cannot reach" before
+        code, _, err = _run(capsys, server_url, "tiers", "list", token=token)
+        assert code == 2
+        assert "printable ASCII with no spaces" in err
 
 
 def test_admin_cli_prints_names_in_their_own_letters(server_url: str, capsys) -> None:
