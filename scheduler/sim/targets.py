@@ -135,16 +135,22 @@ def fcfs_capacity(
     missed 90% at every higher one, a preset that cannot serve the mix, or with a
     duration too short for any interactive arrival. So does a search that ends at 0."""
     check = before_run or (lambda _rate, _lo: None)
+    tried: list[float] = []
 
     def keeps(rate: float, lo: float) -> bool:
         check(rate, lo)
+        tried.append(rate)
         attained = _attainment(config.run("fcfs", rate), "interactive")
         if attained is None:
+            why = (
+                "it searches this low when FCFS missed 90% at every higher rate: check the preset; "
+                if len(tried) > 1 and rate < max(tried)
+                else ""
+            )
             raise SimulationError(
                 f"the FCFS capacity search offered no interactive request at {rate:.3g} "
                 f"requests/s over {config.duration_s:g} s, so it cannot tell whether FCFS "
-                "keeps 90% there (it searches this low when FCFS missed 90% at every higher "
-                "rate: check the preset); pass a longer --duration, or --capacity"
+                f"keeps 90% there ({why}pass a longer --duration, or --capacity)"
             )
         return attained >= 0.9
 

@@ -331,6 +331,12 @@ def test_fcfs_capacity_does_not_count_a_run_without_interactive_requests() -> No
 
     with pytest.raises(SimulationError, match=r"offered no interactive request at 0\.5 requests/s"):
         fcfs_capacity(_fake_fcfs(outcome))
+    with pytest.raises(SimulationError, match="at every higher rate"):
+        fcfs_capacity(_fake_fcfs(outcome))
+    # At the first rate tried, nothing higher was: the error does not say it was.
+    with pytest.raises(SimulationError) as first:
+        fcfs_capacity(_fake_fcfs(lambda _rate: _drop_tier(_run(), "interactive")))
+    assert "higher rate" not in str(first.value)
 
 
 def test_fcfs_capacity_is_an_error_when_no_rate_keeps_90() -> None:
