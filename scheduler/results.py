@@ -426,8 +426,10 @@ class JobClient:
                 continue
             params = stream.job.params
             running.append((params.max_tokens - made, made, params.can_stop_early))
-            paces.append((stream.last_event_s - stream.dispatched_s) / made)
-        if not running:
+            pace = (stream.last_event_s - stream.dispatched_s) / made
+            if pace > 0:  # 0 when its one event is all it has sent (no pace yet)
+                paces.append(pace)
+        if not running or not paces:
             return None
         steps = release_steps(running, self.stop_hazard.curve, limit=max(num_slots, 1))
         return steps[-1] * statistics.median(paces)
