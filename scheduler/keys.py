@@ -40,6 +40,10 @@ Families (after the prefix):
                           (scheduler.slot_release; admission ages the releases by
                           `reported_at_ms`); for operators also its running and waiting
                           sequences, KV-cache use and when it reported
+- `seated:<worker>`      hash, rank -> decode tokens (max_tokens) of the jobs leased into
+                          the worker's free slots since its last report (`rs`, a count
+                          in its cap hash, marks the report: `sr` in their job hash), and
+                          running: admission counts them held until the next report
 - `rl:<tenant>`           hash, a tenant's RPM and TPM bucket levels
 - `rl_inflight:<tenant>`  sorted set, reservation id -> ms when it lapses (concurrency)
 - `gateway:<gateway>`     string, a gateway's presence: `up` while it renews it (a TTL of
@@ -79,6 +83,7 @@ FAMILIES: dict[str, str] = {
     "res": "res:",
     "workers": "workers",
     "cap": "cap:",
+    "seated": "seated:",
     "rl": "rl:",
     "rl_inflight": "rl_inflight:",
     "gateway": "gateway:",
@@ -162,6 +167,9 @@ class KeySpace:
 
     def capacity(self, worker_id: str) -> str:
         return self._key("cap", worker_id)
+
+    def seated(self, worker_id: str) -> str:
+        return self._key("seated", worker_id)
 
     def rate_buckets(self, tenant_id: str) -> str:
         return self._key("rl", tenant_id)

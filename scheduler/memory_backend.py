@@ -188,6 +188,9 @@ class MemoryBackend:
         # instead of sorting. Rebuilt when the tier table changes or a tier appears.
         self._order: list[tuple[float, _Tier]] = []
         self._workers: dict[str, tuple[int, FleetCapacity]] = {}  # until ms, one report
+        # Per worker, the jobs leased into its free slots since its last report and
+        # running: job id -> (rank, max_tokens), held work its report does not show yet.
+        self._seated: dict[str, dict[str, tuple[int, int]]] = {}
         # Admission reads the fleet's sum per request, workers change it per heartbeat:
         # the sum is kept until a report arrives or lapses (none lapses before this).
         self._fleet: FleetCapacity | None = None
@@ -246,6 +249,7 @@ class MemoryBackend:
         predicted = None
         if slo is not None:
             work = self._work_ahead(job.tier, job.tenant_id, job.weight, job.num_prompt_tokens)
+            slo = await self._as_reported_now(slo, config.rank)
             predicted = slo.predict_ms(work, job.num_prompt_tokens)
             refusal = slo.refusal(job.tier, predicted, job.num_prompt_tokens)
             if refusal is not None:
@@ -337,8 +341,10 @@ class MemoryBackend:
         entry.lease_until_ms = now_ms + lease_ms
         entry.num_leases += 1
         heapq.heappush(self._leases, (entry.lease_until_ms, job_id))
-        entry.took_free_seq = self._take_free_seq(worker_id)
         rank = self._rank(job.tier)
+        entry.took_free_seq = self._take_free_seq(worker_id)
+        if entry.took_free_seq:
+            self._seated.setdefault(worker_id, {})[job_id] = (rank, job.params.max_tokens)
         if job.rank != rank or job.resumed_token_ids != entry.resumed_token_ids:
             job = entry.job = replace(job, rank=rank, resumed_token_ids=entry.resumed_token_ids)
         return job
@@ -594,6 +600,14 @@ class MemoryBackend:
                 decode += (
                     q.num_decode_tokens * take / q.num_prefill_tokens if q.num_prefill_tokens else 0
                 )
+        # Held work no report shows yet: the decode of jobs of its rank or better leased
+        # into free slots since their worker's report (seated_decode in lua/_lib.lua).
+        self._drop_lapsed_workers(self._clock_ms())
+        rank = key[0]
+        for worker_id in self._workers:
+            for seated_rank, tokens in self._seated.get(worker_id, {}).values():
+                if seated_rank <= rank:
+                    decode += tokens
         return WorkAhead(prefill, decode, num_jobs)
 
     async def publish_capacity(
@@ -634,6 +648,7 @@ class MemoryBackend:
         )
         until_ms = self._clock_ms() + ttl_ms
         self._workers[worker_id] = (until_ms, report)
+        self._seated.pop(worker_id, None)  # in this report's work now
         self._fleet = None
         self._next_lapse_ms = min(self._next_lapse_ms, until_ms)
 
@@ -652,6 +667,27 @@ class MemoryBackend:
         self._add_free_seqs(worker_id, -1)
         return True
 
+    async def _as_reported_now(self, slo: SloBudget, rank: int) -> SloBudget:
+        """The gateway's budget comes from reports it read up to a moment ago. The free
+        slots and the work engines hold are counted as the workers' latest reports say
+        now (enqueue.lua does the same): the free slots less those leases took since and
+        plus those ended jobs gave back; the decode of the jobs seated in them counts in
+        the work ahead (_work_ahead) until a report holds it. From the budget alone, a
+        burst arriving a few milliseconds apart saw the same free slots, and was admitted
+        past them to wait for releases nobody knew of; and a report that took in the
+        seated jobs' work while the gateway still held the report before it counted it
+        nowhere."""
+        capacity = await self.fleet_capacity()
+        if capacity.num_workers == 0:
+            return slo  # no report to go by (the budget's own work stands)
+        held = capacity.backlog_ahead(rank)
+        return replace(
+            slo,
+            held_prefill_tokens=held.num_prefill_tokens,
+            held_decode_tokens=held.num_decode_tokens,
+            num_free_seqs=capacity.num_free_seqs,
+        )
+
     def _give_back_seq(self, entry: _Entry) -> None:
         """The slot a leased job took, free again as its worker lets the job go (it ends,
         is handed back or cancelled), until that worker's next report (free_seq in
@@ -660,6 +696,7 @@ class MemoryBackend:
         if entry.took_free_seq:
             entry.took_free_seq = False
             self._add_free_seqs(entry.worker_id, 1)
+            self._seated.get(entry.worker_id, {}).pop(entry.job.job_id, None)
 
     def _add_free_seqs(self, worker_id: str, num: int) -> None:
         live = self._workers.get(worker_id)
@@ -712,6 +749,7 @@ class MemoryBackend:
         for worker_id in lapsed:
             del self._workers[worker_id]
             self._worker_details.pop(worker_id, None)
+            self._seated.pop(worker_id, None)
         if lapsed:
             self._fleet = None
         self._next_lapse_ms = min((until for until, _ in self._workers.values()), default=math.inf)

@@ -491,6 +491,10 @@ class RedisBackend:
                         **{name: _optional(value) for name, value in shown.items()},
                     },
                 )
+                # The jobs seated since the last report are in this one's work (see
+                # keys.py, `seated:<worker>`); `rs` numbers the reports.
+                pipe.delete(k.seated(worker_id))
+                pipe.hincrby(k.capacity(worker_id), "rs", 1)
                 pipe.pexpire(k.capacity(worker_id), ttl_ms)
                 pipe.zadd(k.workers, {worker_id: now_ms + ttl_ms})
                 await pipe.execute()

@@ -185,6 +185,31 @@ end
 
 -- The queued work the policy would serve before a new job of `tenant` in `tier` (see
 -- work_ahead.lua); also what enqueue's SLO check reads.
+-- seated_decode's reading of the seated hashes, once per script call.
+local seated_by_rank = nil
+
+-- Decode tokens (max_tokens) of the jobs of `rank` or better that were leased into free
+-- sequence slots since their worker's last report and run: held work that report does
+-- not show yet (keys.py, `seated:<worker>`; dispatch.lua). A lapsed worker's hash has
+-- expired with its report.
+local function seated_decode(rank)
+  if not seated_by_rank then
+    seated_by_rank = {}
+    for _, worker in ipairs(redis.call('ZRANGE', K.workers, 0, -1)) do
+      local flat = redis.call('HGETALL', K.seated .. worker)
+      for i = 1, #flat, 2 do
+        local r = tonumber(flat[i])
+        seated_by_rank[r] = (seated_by_rank[r] or 0) + tonumber(flat[i + 1])
+      end
+    end
+  end
+  local total = 0
+  for r, tokens in pairs(seated_by_rank) do
+    if r <= rank then total = total + tokens end
+  end
+  return total
+end
+
 local function work_ahead(tier, tenant, weight, num_prompt_tokens)
   local tiers = tier_policy()
   local my_rank = rank_of(tiers, tier)
@@ -218,7 +243,7 @@ local function work_ahead(tier, tenant, weight, num_prompt_tokens)
       decode = decode + tonumber(redis.call('HGET', K.qdecode .. tier, other) or '0') * take / q
     end
   end
-  return prefill, decode, num_jobs
+  return prefill, decode + seated_decode(my_rank), num_jobs
 end
 
 -- Predicted TTFT in ms of a new job with `prefill`, `decode` tokens and `num_jobs` jobs
@@ -264,12 +289,17 @@ end
 -- job that finished at max_tokens triggers no early report, and its slot stayed taken
 -- for up to a heartbeat, refusing the next requests of an SLO tier.
 local function free_seq(id)
-  local h = redis.call('HMGET', K.job .. id, 'sl', 'wk')
+  local h = redis.call('HMGET', K.job .. id, 'sl', 'wk', 'sr', 'dec', 'sk')
   if h[1] ~= '1' then return end
-  redis.call('HDEL', K.job .. id, 'sl')
+  redis.call('HDEL', K.job .. id, 'sl', 'sr', 'sk')
   local cap = K.cap .. h[2]
-  if redis.call('HEXISTS', cap, 'num_free_seqs') == 1 then
+  local c = redis.call('HMGET', cap, 'num_free_seqs', 'rs')
+  if c[1] then
     redis.call('HINCRBY', cap, 'num_free_seqs', 1)
+    -- No report since its lease: its decode is still counted as seated.
+    if h[5] and (c[2] or '0') == (h[3] or '0') then
+      hincr_or_del(K.seated .. h[2], h[5], -(tonumber(h[4]) or 0))
+    end
   end
 end
 

@@ -40,7 +40,7 @@ depth_cache = {}
 local flat_depth = redis.call('HGETALL', K.depth)
 for i = 1, #flat_depth, 2 do depth_cache[flat_depth[i]] = tonumber(flat_depth[i + 1]) end
 
-local leased_ids = {}
+local leased_ids, leased_decode, leased_rank = {}, {}, {}
 
 local function dispatch_one()
   -- 1. Queue timeouts: drop and tell the client through its result stream.
@@ -118,7 +118,9 @@ local function dispatch_one()
     'att', (tonumber(h[11]) or 0) + 1)
   redis.call('ZADD', K.leases, lease_until, id)
   leased_ids[#leased_ids + 1] = id
-  return string.format('%d', rank_of(tiers, tier)) .. '|' .. (h[8] or '') .. '|' .. h[7]
+  leased_decode[#leased_ids] = tonumber(h[4]) or 0
+  leased_rank[#leased_ids] = string.format('%d', rank_of(tiers, tier))
+  return leased_rank[#leased_ids] .. '|' .. (h[8] or '') .. '|' .. h[7]
 end
 
 local leased = {}
@@ -130,14 +132,22 @@ end
 for tier, counter in pairs(floors) do redis.call('HSET', K.floor, tier, counter) end
 for key, tokens in pairs(share_pending) do redis.call('HINCRBY', key, current, tokens) end
 -- The jobs take sequence slots the worker last reported free: admission stops counting
--- them before its next report (its hash is left alone once it has lapsed). Each job that
--- took one is marked, to give it back when it ends (free_seq in _lib.lua).
+-- them before its next report (its hash is left alone once it has lapsed), and counts
+-- their decode as held by the worker, per rank (seated:<worker>), until that report
+-- does. Each job that took one is marked with the report it came after, to give both
+-- back when it ends (free_seq in _lib.lua).
 if #leased > 0 then
-  local free = tonumber(redis.call('HGET', K.cap .. worker, 'num_free_seqs') or '0')
+  local cap = K.cap .. worker
+  local c = redis.call('HMGET', cap, 'num_free_seqs', 'rs')
+  local free = tonumber(c[1] or '0')
   local taken = math.min(free, #leased_ids)
   if taken > 0 then
-    redis.call('HSET', K.cap .. worker, 'num_free_seqs', free - taken)
-    for i = 1, taken do redis.call('HSET', K.job .. leased_ids[i], 'sl', 1) end
+    redis.call('HSET', cap, 'num_free_seqs', free - taken)
+    for i = 1, taken do
+      redis.call('HSET', K.job .. leased_ids[i], 'sl', 1, 'sr', c[2] or '0', 'sk', leased_rank[i])
+      redis.call('HINCRBY', K.seated .. worker, leased_rank[i], leased_decode[i])
+    end
+    redis.call('PEXPIRE', K.seated .. worker, math.max(1, redis.call('PTTL', cap)))
   end
 end
 return leased

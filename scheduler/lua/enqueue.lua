@@ -26,9 +26,33 @@ depth_pending = {}
 
 local FIELDS = '^([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t(.*)$'
 local budget = nil
+local held = nil
 if ARGV[3] ~= '' then
   budget = {}
   for x in string.gmatch(ARGV[3], '%S+') do budget[#budget + 1] = tonumber(x) end
+  -- The gateway's budget comes from reports it read up to a moment ago. The free slots
+  -- and the work engines hold are counted here as the workers' latest reports say now:
+  -- the free slots less those leases took since and plus those ended jobs gave back
+  -- (dispatch.lua, free_seq); the decode of the jobs seated in them counts in the work
+  -- ahead (seated_decode in _lib.lua) until a report holds it. From the budget alone,
+  -- a burst arriving a few milliseconds apart saw the same free slots, and was admitted
+  -- past them to wait for releases nobody knew of; and a report that took in the seated
+  -- jobs' work while the gateway still held the report before it counted it nowhere.
+  local free = 0
+  local live = redis.call('ZRANGEBYSCORE', K.workers, '(' .. ARGV[2], '+inf')
+  -- {rank, prefill, decode} per rank of each live worker's report; with no report to go
+  -- by, the budget's own work stands.
+  if #live > 0 then held = {} end
+  for _, worker in ipairs(live) do
+    local c = redis.call('HMGET', K.cap .. worker, 'num_free_seqs',
+      'unprefilled_tokens_by_rank', 'decode_tokens_by_rank')
+    free = free + (tonumber(c[1]) or 0)
+    local prefill = c[2] and c[2] ~= '' and cjson.decode(c[2]) or {}
+    local decode = c[3] and c[3] ~= '' and cjson.decode(c[3]) or {}
+    for r, n in pairs(prefill) do held[#held + 1] = {tonumber(r), n, 0} end
+    for r, n in pairs(decode) do held[#held + 1] = {tonumber(r), 0, n} end
+  end
+  if #live > 0 and #budget >= 7 then budget[7] = free end
 end
 
 local function enqueue_one(id, json, fields)
@@ -36,13 +60,19 @@ local function enqueue_one(id, json, fields)
   local p = policies[tier]
   if p == nil then
     local h = redis.call('HMGET', K.tier_policy, 'rank:' .. tier, 'max_queued:' .. tier)
-    p = h[1] and {max_queued = tonumber(h[2])} or false
+    p = h[1] and {rank = tonumber(h[1]), max_queued = tonumber(h[2])} or false
     policies[tier] = p
   end
   if not p then return 'unknown_tier' end
   local ok = 'ok'
   if budget then
     local prefill, decode, num_jobs = work_ahead(tier, tenant, tonumber(weight), tonumber(pin))
+    if held then  -- the work engines hold of its rank or better (backlog_ahead)
+      budget[4], budget[5] = 0, 0
+      for _, w in ipairs(held) do
+        if w[1] <= p.rank then budget[4], budget[5] = budget[4] + w[2], budget[5] + w[3] end
+      end
+    end
     local predicted = slo_predict(budget, prefill, decode, num_jobs, tonumber(pin))
     -- SloBudget.limit_ms: the SLO, or the job's own prefill if that alone exceeds it.
     local limit = math.max(budget[1], 1000.0 * tonumber(pin) / budget[2])

@@ -190,6 +190,50 @@ async def test_a_long_generation_leaves_free_slots_to_admit_into(backend, make_j
     assert (w1.num_free_seqs, w2.num_free_seqs) == (1, 0)
 
 
+async def test_jobs_seated_since_the_report_count_ahead_of_a_burst(backend, make_job) -> None:
+    """A gateway admits with a capacity report it read up to a moment ago. A burst a few
+    milliseconds apart saw the same free slots after earlier jobs of the burst had been
+    leased into them, and was admitted to wait for releases nobody had reported; their
+    TTFTs ran to seconds and the queue dropped them at max_queue_ms."""
+    await backend.configure_tiers([PRIORITY, INTERACTIVE, BATCH])
+
+    async def report(num_free_seqs: int, decode: int = 0) -> None:
+        await backend.publish_capacity(
+            "w1",
+            prefill_tokens_per_s=1_000.0,
+            decode_tokens_per_s=100.0,
+            ttl_ms=60_000,
+            decode_tokens_by_rank={1: decode},
+            num_free_seqs=num_free_seqs,
+        )
+
+    await report(2)
+    stale = await backend.fleet_capacity()  # what the gateway holds for the burst
+    first, second = (make_job(t, num_prompt_tokens=100, max_tokens=400) for t in ("a", "b"))
+    for job in (first, second):
+        assert await admit(backend, job, INTERACTIVE, capacity=stale) == pytest.approx(100, abs=1)
+        assert len(await backend.dispatch_many("w1", 10_000, 1)) == 1  # seated at once
+    # The third sees no slot left and the seated jobs' decode ahead of it, whatever the
+    # stale report says: 0.1 s of prefill and half of 800 tokens at 100 tokens/s.
+    third = make_job("c", num_prompt_tokens=100, max_tokens=400)
+    with pytest.raises(SloUnattainableError) as refused:
+        await admit(backend, third, INTERACTIVE, capacity=stale)
+    assert refused.value.predicted_ttft_ms == pytest.approx(100 + 4_000, abs=1)
+    # Work of a worse rank is no work ahead of a better one.
+    assert await backend.work_ahead("priority", "c", 1.0, 100) == WorkAhead(0, 0, 0)
+    # A seated job that ends gives back its slot and its decode.
+    assert await backend.complete(first.job_id, worker_id="w1", finish_reason="stop")
+    assert await admit(backend, third, INTERACTIVE, capacity=stale) == pytest.approx(100, abs=1)
+    assert len(await backend.dispatch_many("w1", 10_000, 1)) == 1
+    # The next report holds their work itself: the seated count starts over, and a job
+    # seated before it gives back only its slot when it ends.
+    await report(0, decode=800)
+    assert (await backend.work_ahead("interactive", "d", 1.0, 100)).num_decode_tokens == 0
+    assert await backend.complete(second.job_id, worker_id="w1", finish_reason="stop")
+    assert (await backend.work_ahead("interactive", "d", 1.0, 100)).num_decode_tokens == 0
+    assert (await backend.fleet_capacity()).num_free_seqs == 1
+
+
 def test_a_job_without_a_slot_waits_for_its_turn_among_the_releases() -> None:
     config = AdmissionConfig()
     # Every slot taken: releases expected in 3, 4 and 9 s; one rank-2 sequence that
