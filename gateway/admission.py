@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import math
 import time
@@ -339,7 +340,10 @@ class Admission:
     def _hold(self, reservation: Reservation) -> None:
         self._held[reservation.reservation_id] = reservation
         if self._renewer is None or self._renewer.done():
-            self._renewer = asyncio.create_task(self._renew(), name="rate-limit-renewer")
+            # Its own context: started by a request, its lines carried that request's id.
+            self._renewer = asyncio.create_task(
+                self._renew(), name="rate-limit-renewer", context=contextvars.Context()
+            )
 
     async def _renew(self) -> None:
         """Keep the slots of this gateway's running requests from lapsing."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import os
 import socket
@@ -511,11 +512,19 @@ class JobClient:
     def _start_keeper(self) -> None:
         # The presence has a loop of its own: retries piling up after an outage, or a
         # stream the watch stops, must not hold back its renewal past the queue's grace.
+        # Started by the first job, they run in a context of their own: in the request's,
+        # every line they logged ("its deferred cancel landed") carried that request's id.
         if not self._keepers and not self._closed:
             self._keepers = [
-                asyncio.create_task(self._keep(self._publish_presence), name="gateway-presence"),
                 asyncio.create_task(
-                    self._keep(self._retry_cancels, self._watch_workers), name="job-client-watch"
+                    self._keep(self._publish_presence),
+                    name="gateway-presence",
+                    context=contextvars.Context(),
+                ),
+                asyncio.create_task(
+                    self._keep(self._retry_cancels, self._watch_workers),
+                    name="job-client-watch",
+                    context=contextvars.Context(),
                 ),
             ]
 

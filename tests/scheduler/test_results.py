@@ -13,6 +13,7 @@ on a fleet with no live worker with NoCapacityError (a batch line keeps waiting)
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 
 import pytest
@@ -200,3 +201,28 @@ async def test_a_live_worker_keeps_waiting_requests_waiting() -> None:
             pass
     assert time.monotonic() - started_s >= 0.3
     await jobs.aclose()
+
+
+async def test_the_clients_background_loops_run_outside_the_first_jobs_context() -> None:
+    """The loops start with the first job, inside its request's context: every line they
+    logged afterwards (a deferred cancel landing for another request) carried the first
+    request's id."""
+    request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("rid", default=None)
+    seen: list[str | None] = []
+
+    class Watched(MemoryBackend):
+        async def publish_gateway(self, gateway_id: str, ttl_ms: int) -> None:
+            seen.append(request_id.get())  # what a log line written here would carry
+            await super().publish_gateway(gateway_id, ttl_ms)
+
+    client = JobClient(Watched([TierConfig("interactive", rank=1)]), keep_every_s=0.01)
+    request_id.set("req_first")
+    client.submit(build_job())  # the first job starts the loops
+    for _ in range(200):
+        if len(seen) >= 2:
+            break
+        await asyncio.sleep(0.01)
+    from_the_loop = list(seen)
+    await client.aclose()  # its own last presence, in this (the caller's) context
+    assert len(from_the_loop) >= 2
+    assert set(from_the_loop) == {None}
