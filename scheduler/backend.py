@@ -182,9 +182,16 @@ class SloBudget:
     # Requests the engines hold without a slot, ahead of the job in the line for one.
     num_waiting_seqs: int = 0
 
-    def predict_ms(self, work: WorkAhead, num_prompt_tokens: int) -> float:
+    def predict_ms(
+        self,
+        work: WorkAhead,
+        num_prompt_tokens: int,
+        held: tuple[int, int, int] | None = None,
+    ) -> float:
         """Predicted TTFT of a job of `num_prompt_tokens` with `work` queued ahead of it.
         The Redis queue computes the same in Lua (slo_predict in scheduler/lua/_lib.lua).
+        `held`: (held prefill tokens, held decode tokens, free slots) to use instead of
+        the budget's, as the queue counts them when it enqueues.
 
         The job waits for a sequence slot only when none is left after the jobs queued
         ahead took theirs, counting the slots it may take by preempting worse,
@@ -199,16 +206,21 @@ class SloBudget:
         own prefill, admitted, and waited 20 s against a 300 ms SLO. (The releases alone,
         which are expectations, admitted more requests into an overloaded simulated
         fleet than met their SLO: the decode estimate errs long, and keeps the margin.)"""
-        num_prefill = work.num_prefill_tokens + self.held_prefill_tokens + num_prompt_tokens
+        held_prefill, held_decode, num_free = held or (
+            self.held_prefill_tokens,
+            self.held_decode_tokens,
+            self.num_free_seqs,
+        )
+        num_prefill = work.num_prefill_tokens + held_prefill + num_prompt_tokens
         prefill_ms = 1000.0 * (num_prefill / self.prefill_tokens_per_s)
         # Jobs ahead (queued, and held by engines without a slot) still without one
         # once the free slots and those it may take by preemption are gone: the job
         # waits for release number `num_seated`.
         num_ahead = work.num_jobs + self.num_waiting_seqs
-        num_seated = num_ahead - self.num_free_seqs - self.num_preemptible_seqs
+        num_seated = num_ahead - num_free - self.num_preemptible_seqs
         if num_seated < 0:
             return prefill_ms
-        num_decode = work.num_decode_tokens + self.held_decode_tokens
+        num_decode = work.num_decode_tokens + held_decode
         decode_ms = 0.0
         if num_decode and self.decode_tokens_per_s > 0:
             decode_ms = 1000.0 * (

@@ -249,8 +249,7 @@ class MemoryBackend:
         predicted = None
         if slo is not None:
             work = self._work_ahead(job.tier, job.tenant_id, job.weight, job.num_prompt_tokens)
-            slo = await self._as_reported_now(slo, config.rank)
-            predicted = slo.predict_ms(work, job.num_prompt_tokens)
+            predicted = slo.predict_ms(work, job.num_prompt_tokens, self._held_now(config.rank))
             refusal = slo.refusal(job.tier, predicted, job.num_prompt_tokens)
             if refusal is not None:
                 raise refusal
@@ -667,26 +666,28 @@ class MemoryBackend:
         self._add_free_seqs(worker_id, -1)
         return True
 
-    async def _as_reported_now(self, slo: SloBudget, rank: int) -> SloBudget:
-        """The gateway's budget comes from reports it read up to a moment ago. The free
-        slots and the work engines hold are counted as the workers' latest reports say
-        now (enqueue.lua does the same): the free slots less those leases took since and
-        plus those ended jobs gave back; the decode of the jobs seated in them counts in
-        the work ahead (_work_ahead) until a report holds it. From the budget alone, a
+    def _held_now(self, rank: int) -> tuple[int, int, int] | None:
+        """(prefill, decode, free slots) of `rank` or better, as the workers' latest
+        reports say now, for SloBudget.predict_ms; None with no report to go by (the
+        budget's own stand).
+
+        The gateway's budget comes from reports it read up to a moment ago. Counted now
+        (enqueue.lua does the same), the free slots are less those leases took since and
+        plus those ended jobs gave back, and the decode of the jobs seated in them counts
+        in the work ahead (_work_ahead) until a report holds it. From the budget alone, a
         burst arriving a few milliseconds apart saw the same free slots, and was admitted
         past them to wait for releases nobody knew of; and a report that took in the
         seated jobs' work while the gateway still held the report before it counted it
         nowhere."""
-        capacity = await self.fleet_capacity()
-        if capacity.num_workers == 0:
-            return slo  # no report to go by (the budget's own work stands)
-        held = capacity.backlog_ahead(rank)
-        return replace(
-            slo,
-            held_prefill_tokens=held.num_prefill_tokens,
-            held_decode_tokens=held.num_decode_tokens,
-            num_free_seqs=capacity.num_free_seqs,
-        )
+        self._drop_lapsed_workers(self._clock_ms())
+        if not self._workers:
+            return None
+        prefill = decode = free = 0
+        for _, report in self._workers.values():
+            free += report.num_free_seqs
+            prefill += sum(n for r, n in report.unprefilled_tokens_by_rank.items() if r <= rank)
+            decode += sum(n for r, n in report.decode_tokens_by_rank.items() if r <= rank)
+        return prefill, decode, free
 
     def _give_back_seq(self, entry: _Entry) -> None:
         """The slot a leased job took, free again as its worker lets the job go (it ends,
