@@ -76,8 +76,12 @@ def render_markdown(experiment: Experiment, *, command: str = "") -> str:
         f"{config.num_engines} engine(s)",
         f"- Workload: three-tier mix (priority / interactive / batch), {config.duration_s:g} s of "
         f"arrivals + {config.drain_s:g} s drain, seed {config.seed}",
-        f"- 1.0x load = {experiment.capacity_rate_per_s:.2f} requests/s, the rate at which FCFS "
-        "keeps 90% interactive attainment",
+        f"- 1.0x load = {experiment.capacity_rate_per_s:.2f} requests/s, "
+        + (
+            "given with --capacity (not checked against FCFS here)"
+            if config.capacity_rate_per_s is not None
+            else "the rate at which FCFS keeps 90% interactive attainment"
+        ),
         "- Per-tenant limits (the gateway's, for every policy): the seeded tier defaults, raised "
         "to twice what a tenant's share of 1.0x needs: " + "; ".join(_limits_lines(experiment)),
     ]

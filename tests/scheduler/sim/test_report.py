@@ -56,6 +56,8 @@ def test_report_files(experiment, tmp_path) -> None:
     assert "## Targets" in md
     assert md.count("| pass |") + md.count("| fail |") == len(experiment.suites)
     assert "tiergate simulate report --quick" in md
+    # 1.0x came from --capacity (the fixture's 9 req/s): not said to be FCFS's 90% rate.
+    assert "1.0x load = 9.00 requests/s, given with --capacity" in md
     data = json.loads((tmp_path / "report.json").read_text())
     assert data["capacity_rate_per_s"] == 9.0
     # Every setting that changes the numbers, so the JSON alone says how it was run.
