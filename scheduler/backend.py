@@ -466,7 +466,9 @@ class QueueBackend(Protocol):
     async def work_ahead(
         self, tier: str, tenant_id: str, weight: float, num_prompt_tokens: int = 0
     ) -> WorkAhead:
-        """Queued work the policy would serve before a new job of this tenant."""
+        """Queued work the policy would serve before a new job of this tenant, and the
+        decode of jobs of its rank or better leased into free slots since their
+        worker's last report (held work no report shows yet)."""
         ...
 
     async def publish_tokens(

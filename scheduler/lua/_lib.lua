@@ -183,8 +183,6 @@ local function charge(tier, tenant, job_weight, nin, nout, in_w, out_w, now, buc
   end
 end
 
--- The queued work the policy would serve before a new job of `tenant` in `tier` (see
--- work_ahead.lua); also what enqueue's SLO check reads.
 -- seated_decode's reading of the seated hashes, once per script call.
 local seated_by_rank = nil
 
@@ -205,11 +203,16 @@ local function seated_decode(rank)
   end
   local total = 0
   for r, tokens in pairs(seated_by_rank) do
-    if r <= rank then total = total + tokens end
+    -- Never below 0: a job seated under a report count of a lapsed hash may give back
+    -- to the count's next life.
+    if r <= rank and tokens > 0 then total = total + tokens end
   end
   return total
 end
 
+-- The queued work the policy would serve before a new job of `tenant` in `tier` (see
+-- work_ahead.lua), and the decode of jobs seated since their worker's report; also what
+-- enqueue's SLO check reads.
 local function work_ahead(tier, tenant, weight, num_prompt_tokens)
   local tiers = tier_policy()
   local my_rank = rank_of(tiers, tier)
