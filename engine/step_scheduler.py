@@ -149,16 +149,12 @@ class RankBacklog:
     # for the prefill ahead of it, even with requests waiting here for prefill budget.
     running_left: tuple[tuple[int, int, bool], ...] = ()
     # Running preemptible requests per rank: a newcomer of a rank better than theirs and
-    # than the best waiting here displaces one of those at once (displacing_rank_bound).
+    # than the best waiting here displaces one of those at once (displacing_rank_bound;
+    # admission derives that rank from waiting_by_rank, scheduler.backend).
     preemptible_by_rank: dict[int, int] = field(default_factory=dict)
     # Requests holding no slot yet (waiting, preempted) per rank: ahead of a newcomer of
     # their rank or worse in the line for one.
     waiting_by_rank: dict[int, int] = field(default_factory=dict)
-
-    @property
-    def best_waiting_rank(self) -> float:
-        """The best rank with a request waiting here for a slot (inf: none waits)."""
-        return min(self.waiting_by_rank, default=math.inf)
 
 
 @dataclass

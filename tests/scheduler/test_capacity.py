@@ -14,6 +14,7 @@ from engine.block_manager import BlockManager
 from engine.request import Priority, Request, SamplingParams
 from engine.step_scheduler import SchedulerConfig, StepScheduler
 from engine.stop_hazard import NUM_BUCKETS, StopCurve
+from scheduler.backend import best_rank_waiting
 from scheduler.dispatcher import Dispatcher, DispatcherConfig
 from scheduler.job import Job
 from scheduler.memory_backend import MemoryBackend
@@ -74,7 +75,7 @@ def test_step_scheduler_backlog_says_when_slots_free_and_what_may_be_preempted()
     assert sorted(backlog.running_left) == [(4, 1, True), (7, 2, False)]
     # Preemptible batch work runs: ranks better than 2 may displace it.
     assert backlog.preemptible_by_rank == {2: 1}
-    assert backlog.best_waiting_rank == math.inf
+    assert best_rank_waiting(backlog.waiting_by_rank) == math.inf
     # With a measured stop hazard, the chat (which may stop early) counts the tokens it
     # is expected to make; bulk, which cannot stop early, all it may.
     assert backlog.decode_tokens_by_rank == {1: 4, 2: 7}
@@ -85,7 +86,7 @@ def test_step_scheduler_backlog_says_when_slots_free_and_what_may_be_preempted()
     # A better rank waiting inside the engine goes first: it is the best rank waiting.
     scheduler.add(_request("vip", 0, 4, 2))
     backlog = scheduler.backlog()
-    assert backlog.best_waiting_rank == 0
+    assert best_rank_waiting(backlog.waiting_by_rank) == 0
     assert len(backlog.running_left) == 2  # waiting requests hold no slot
 
 
