@@ -299,9 +299,11 @@ local function free_seq(id)
   local c = redis.call('HMGET', cap, 'num_free_seqs', 'rs')
   if c[1] then
     redis.call('HINCRBY', cap, 'num_free_seqs', 1)
-    -- No report since its lease: its decode is still counted as seated.
-    if h[5] and (c[2] or '0') == (h[3] or '0') then
-      hincr_or_del(K.seated .. h[2], h[5], -(tonumber(h[4]) or 0))
+    -- No report since its lease: its decode is still counted as seated. (Not if its
+    -- hash lapsed with the worker: a give-back would make it again, with no expiry.)
+    local seated = K.seated .. h[2]
+    if h[5] and (c[2] or '0') == (h[3] or '0') and redis.call('HEXISTS', seated, h[5]) == 1 then
+      hincr_or_del(seated, h[5], -(tonumber(h[4]) or 0))
     end
   end
 end
