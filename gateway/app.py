@@ -66,6 +66,7 @@ from gateway.openai.tokenize import TokenizeRoutes
 from gateway.queue_setup import RESULT_POLL_MS, build_queue
 from gateway.settings import Settings
 from gateway.usage import UsageWriter
+from gateway.usage_recovery import UsageRecovery
 from scheduler.backend import BackendUnavailableError
 from scheduler.dispatcher import Dispatcher, DispatcherConfig, EngineLike
 from scheduler.results import JobClient
@@ -213,6 +214,13 @@ async def _build_router(
         model = await asyncio.to_thread(load_model_card, settings.model, settings.max_model_len)
         jobs = JobClient(queue.backend, poll_ms=RESULT_POLL_MS)
     stack.push_async_callback(jobs.aclose)
+    usage.on_written = jobs.settle
+    if queue.is_shared:  # gateways of a fleet bill for those of them that died
+        recovery = UsageRecovery(
+            queue.backend, jobs.gateway_id, usage, sessionmaker, model=model.model_name
+        )
+        recovery.start()
+        stack.push_async_callback(recovery.aclose)
     admission = Admission(queue.limiter, jobs, on_unknown_tier=sync.push_tiers)
     stack.push_async_callback(admission.aclose)
     monitor = QueueMonitor(queue.backend)

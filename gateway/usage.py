@@ -19,6 +19,7 @@ import contextlib
 import logging
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -113,6 +114,10 @@ class UsageRecord:
     # reason: a price changed after, or a tier deleted, must not re-price it. Not a
     # column. None: priced at the tier's prices at the write.
     prices: TokenPrices | None = None
+    # The queue's jobs it bills (a live request's), settled in the queue once the record
+    # is written (UsageWriter's on_written): no other gateway bills them again. Not a
+    # column.
+    job_ids: tuple[str, ...] = ()
 
     @property
     def decode_tokens(self) -> int:
@@ -123,7 +128,9 @@ class UsageRecord:
 
 
 _MAX_INT = 2**31 - 1
-_RECORD_FIELDS = tuple(f.name for f in fields(UsageRecord) if f.name not in ("slo", "prices"))
+_RECORD_FIELDS = tuple(
+    f.name for f in fields(UsageRecord) if f.name not in ("slo", "prices", "job_ids")
+)
 # What the usage_records columns hold: text lengths, and counts as 32-bit ints.
 _TEXT_LIMITS = {"request_id": 64, "tenant_id": 40, "tier": 32, "model": 200, "outcome": 64}
 _COUNT_FIELDS = ("prompt_tokens", "completion_tokens")
@@ -398,8 +405,12 @@ class UsageWriter:
         flush_interval_s: float = 0.5,
         max_batch: int = 500,
         max_buffered: int = 100_000,
+        on_written: Callable[[list[str]], None] | None = None,
     ) -> None:
+        """`on_written` is given the job ids of each batch of records once it is
+        written (UsageRecord.job_ids); it must not block or raise."""
         self._sessionmaker = sessionmaker
+        self.on_written = on_written
         self._flush_interval_s = flush_interval_s
         self._max_batch = max_batch
         self._buffer: deque[UsageRecord] = deque(maxlen=max_buffered)
@@ -485,6 +496,9 @@ class UsageWriter:
                 self._num_in_flight = 0
             self._num_failed_flushes = 0
             self.num_written += len(batch)
+            job_ids = [job_id for rec in batch for job_id in rec.job_ids]
+            if job_ids and self.on_written is not None:
+                self.on_written(job_ids)
             return True
 
     async def _run(self) -> None:

@@ -12,6 +12,11 @@ left: the queue ends it as cancelled (`abandoned`) where it would otherwise hand
 worker (dispatch), keep it there (renew) or requeue it (reclaim), instead of running it
 for nobody.
 
+A gateway bills each request it served when the request ends, and `settle`s its jobs
+once that usage record is written. The jobs of a gateway that died before it settled
+them (served work nobody billed) are taken by another gateway with `claim_unbilled`,
+which bills what the queue saw served.
+
 Both backends implement the same operations with identical semantics (a differential
 test holds them to it), so the single-process server and a Redis fleet behave alike.
 """
@@ -99,6 +104,11 @@ GATEWAY_LOST = "gateway_lost"
 # abandoned. A stopped Redis lapses every presence at once; once it runs again, live
 # gateways renew theirs within a second, well inside this.
 GATEWAY_GRACE_MS = 2_000
+# How long a gateway's presence must have been seen lapsed before another gateway bills
+# its unsettled jobs (claim_unbilled): long past the abandoning of its jobs, and long
+# enough for a gateway that was only cut off from Redis to have written its own records
+# (its reads time out within seconds), which the biller then finds and leaves alone.
+BILL_GRACE_MS = 15_000
 
 
 @dataclass(frozen=True)
@@ -122,6 +132,24 @@ class ResultEvent:
     @property
     def is_terminal(self) -> bool:
         return self.kind is not EventKind.TOKENS
+
+
+@dataclass(frozen=True)
+class UnbilledJob:
+    """A served job whose gateway went away before it settled it (claim_unbilled), as
+    the queue saw it served: times are epoch ms by Redis's clock, None when its result
+    stream holds no such event (expired, or the job never got that far)."""
+
+    job_id: str
+    tenant_id: str
+    tier: str
+    status: JobStatus  # how it ended: done, failed or cancelled (abandoned)
+    prompt_tokens: int  # its bill_prompt_tokens (Job): it was leased, so its prompt ran
+    output_tokens: int  # the tokens in its result stream
+    queue_wait_ms: float | None  # before its first lease
+    arrival_ms: int | None
+    first_token_ms: int | None
+    ended_ms: int | None  # its last event
 
 
 @dataclass(frozen=True)
@@ -396,6 +424,20 @@ class QueueBackend(Protocol):
         lapsed for GATEWAY_GRACE_MS, its jobs are abandoned: finished as cancelled, with
         an error event of code GATEWAY_LOST, at their next dispatch, lease renewal or
         reclaim. A gateway that is shutting down lapses itself with ttl_ms=1."""
+        ...
+
+    async def settle(self, gateway_id: str, job_ids: Sequence[str]) -> None:
+        """The usage of these jobs, queued by `gateway_id` with a `bill_prompt_tokens`,
+        is written: claim_unbilled leaves them alone. Ids it does not track are ignored."""
+        ...
+
+    async def claim_unbilled(self, gateway_id: str, limit: int = 100) -> list[UnbilledJob]:
+        """For `gateway_id` to bill: up to `limit` served jobs that other gateways
+        queued with a `bill_prompt_tokens` and never settled, whose gateway's presence
+        has lapsed for BILL_GRACE_MS and which have ended. Each is claimed once (whoever
+        claims it must bill it); a job of theirs that never left the queue served
+        nothing and is dropped unbilled. Empty where no gateway can die alone (the
+        in-memory queue lives in its gateway's process)."""
         ...
 
     async def dispatch(self, worker_id: str, lease_ms: int) -> Job | None:

@@ -38,6 +38,13 @@ class Job:
     # after them so the client sees no duplicate and no gap.
     resumed_token_ids: tuple[int, ...] = ()
     metadata: dict[str, str] = field(default_factory=dict)
+    # The prompt tokens the queue bills for this job should its gateway go before it has
+    # written the request's usage record (QueueBackend.claim_unbilled): a live request's
+    # first choice of each prompt carries its prompt, the other choices 0 (the prompt is
+    # billed once). None: not tracked (a Batch API line, which a gateway that takes the
+    # batch over runs again). Read by the queue at enqueue; not part of the JSON workers
+    # read (an older worker refuses a field it does not know).
+    bill_prompt_tokens: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -53,7 +60,7 @@ class Job:
     def to_json(self) -> str:
         # A shallow dict: asdict() deep-copies the token tuples, which dominated the
         # queue's client-side cost.
-        data: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
+        data: dict[str, Any] = {name: getattr(self, name) for name in _JSON_FIELDS}
         # asdict() deep-copies too; the params are flat, so a field read is enough.
         params = self.params
         data["params"] = {
@@ -82,3 +89,7 @@ class Job:
                 "resumed_token_ids": tuple(data["resumed_token_ids"]),
             }
         )
+
+
+# What a job's JSON holds: every field but the queue's own.
+_JSON_FIELDS = tuple(f.name for f in fields(Job) if f.name != "bill_prompt_tokens")

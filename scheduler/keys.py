@@ -49,6 +49,12 @@ Families (after the prefix):
 - `gateway:<gateway>`     string, a gateway's presence: `up` while it renews it (a TTL of
                           a few seconds); once that lapses, the ms when a queue script
                           first found it gone (see owner_gone in lua/_lib.lua)
+- `unbilled:<gateway>`    set, ids of the jobs a gateway queued with a billed prompt
+                          (Job.bill_prompt_tokens) whose usage it has not written yet
+                          (it settles them after each write); another gateway bills
+                          them once it has gone (claim_unbilled.lua), which empties it
+- `billing`               set, the gateways that may have an `unbilled` set (a gone one
+                          leaves once its set is empty)
 - `totals`                hash, counts since the queue began, for operators:
                           `lease_expirations`, `requeues`, `abandoned` (QueueTotals)
 """
@@ -87,6 +93,8 @@ FAMILIES: dict[str, str] = {
     "rl": "rl:",
     "rl_inflight": "rl_inflight:",
     "gateway": "gateway:",
+    "unbilled": "unbilled:",
+    "billing": "billing",
     "totals": "totals",
 }
 
@@ -179,6 +187,13 @@ class KeySpace:
 
     def gateway(self, gateway_id: str) -> str:
         return self._key("gateway", gateway_id)
+
+    def unbilled(self, gateway_id: str) -> str:
+        return self._key("unbilled", gateway_id)
+
+    @property
+    def billing(self) -> str:
+        return self._key("billing")
 
     def pattern(self) -> str:
         """A SCAN pattern matching every key of this prefix (for cleanup in tests)."""

@@ -30,6 +30,7 @@ from scheduler.backend import (
     SloBudget,
     TenantDepth,
     TierDepth,
+    UnbilledJob,
     UnknownTierError,
     WorkAhead,
     WorkerReport,
@@ -503,6 +504,12 @@ class MemoryBackend:
 
     async def publish_gateway(self, gateway_id: str, ttl_ms: int) -> None:
         return None  # see enqueue: nothing outlives this process's gateway
+
+    async def settle(self, gateway_id: str, job_ids: Sequence[str]) -> None:
+        return None  # nothing to settle: no other gateway could bill this one's jobs
+
+    async def claim_unbilled(self, gateway_id: str, limit: int = 100) -> list[UnbilledJob]:
+        return []  # every gateway of this queue is this process
 
     async def cancel(self, job_id: str) -> bool:
         entry = self._entries.get(job_id)

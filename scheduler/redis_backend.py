@@ -27,6 +27,7 @@ import redis.exceptions
 
 from scheduler import policy
 from scheduler.backend import (
+    BILL_GRACE_MS,
     GATEWAY_GRACE_MS,
     START_CURSOR,
     WORKER_DETAIL_TYPES,
@@ -41,6 +42,7 @@ from scheduler.backend import (
     SloBudget,
     TenantDepth,
     TierDepth,
+    UnbilledJob,
     UnknownTierError,
     WorkAhead,
     WorkerReport,
@@ -72,6 +74,7 @@ _SCRIPTS = (
     "publish_step",
     "work_ahead",
     "set_tenant_weight",
+    "claim_unbilled",
 )
 
 
@@ -174,6 +177,7 @@ class RedisBackend:
         max_reclaim: int = 256,
         channel: ScriptChannel | None = None,
         gateway_grace_ms: int = GATEWAY_GRACE_MS,
+        bill_grace_ms: int = BILL_GRACE_MS,
     ) -> None:
         """Script calls go over `channel` when given (its owner closes it), else through
         redis-py. With a channel, result streams are followed by one reader for the whole
@@ -190,6 +194,7 @@ class RedisBackend:
         self._result_ttl_ms = result_ttl_ms
         self._max_reclaim = max_reclaim
         self._gateway_grace_ms = gateway_grace_ms
+        self._bill_grace_ms = bill_grace_ms
         # The policy knobs as the dispatch script reads them, formatted once.
         c = self._config
         self._policy_args = (
@@ -398,6 +403,32 @@ class RedisBackend:
         # workers', never decides whether it looks alive.
         with unavailable_as_error():
             await self._redis.set(self._keys.gateway(gateway_id), "up", px=max(1, int(ttl_ms)))
+
+    async def settle(self, gateway_id: str, job_ids: Sequence[str]) -> None:
+        if job_ids:
+            with unavailable_as_error():
+                await self._redis.srem(self._keys.unbilled(gateway_id), *job_ids)
+
+    async def claim_unbilled(self, gateway_id: str, limit: int = 100) -> list[UnbilledJob]:
+        flat = await self._run(
+            "claim_unbilled", self._clock_ms(), gateway_id, self._bill_grace_ms, int(limit)
+        )
+        claimed = [flat[i : i + 5] for i in range(0, len(flat), 5)]
+        if not claimed:
+            return []
+        # What each served is what its result stream holds, as its client would have read
+        # it: a claimed job is billed by this reply, whatever happens to this process.
+        with unavailable_as_error():
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for job_id, *_ in claimed:
+                    pipe.xrange(self._keys.results(job_id))
+                streams = await pipe.execute()
+        return [
+            _unbilled(job_id, tenant, tier, JobStatus(status), int(prompt), entries)
+            for (job_id, tenant, tier, status, prompt), entries in zip(
+                claimed, streams, strict=True
+            )
+        ]
 
     async def cancel(self, job_id: str) -> bool:
         return bool(await self._run("cancel", self._clock_ms(), job_id, self._finished_ttl_ms))
@@ -769,6 +800,7 @@ def _enqueue_fields(job: Job) -> tuple[str, str, str]:
     fields = (
         f"{job.tier}\t{float(job.weight)!r}\t{job.num_prompt_tokens}\t{job.params.max_tokens}"
         f"\t{'' if deadline is None else deadline}\t{'' if expire is None else expire}"
+        f"\t{'' if job.bill_prompt_tokens is None else job.bill_prompt_tokens}"
         f"\t{job.tenant_id}"
     )
     return job.job_id, job.to_json(), fields
@@ -799,4 +831,30 @@ def _event(entry_id: str, fields: dict[str, str]) -> ResultEvent:
         message=fields.get("m", ""),
         queue_wait_ms=float(fields["q"]) if "q" in fields else None,
         logprobs=fields.get("l", ""),
+    )
+
+
+def _unbilled(
+    job_id: str,
+    tenant_id: str,
+    tier: str,
+    status: JobStatus,
+    prompt_tokens: int,
+    entries: list[tuple[str, dict[str, str]]],
+) -> UnbilledJob:
+    """A claimed job as its result stream shows it served (entry ids are Redis's ms)."""
+    events = [(int(entry_id.split("-")[0]), _event(entry_id, f)) for entry_id, f in entries]
+    first_ms = next((ms for ms, e in events if e.token_ids), None)
+    waited = next(((ms, e.queue_wait_ms) for ms, e in events if e.queue_wait_ms is not None), None)
+    return UnbilledJob(
+        job_id=job_id,
+        tenant_id=tenant_id,
+        tier=tier,
+        status=status,
+        prompt_tokens=prompt_tokens,
+        output_tokens=sum(len(e.token_ids) for _, e in events),
+        queue_wait_ms=None if waited is None else waited[1],
+        arrival_ms=None if waited is None else waited[0] - round(waited[1]),
+        first_token_ms=first_ms,
+        ended_ms=events[-1][0] if events else None,
     )

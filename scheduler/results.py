@@ -10,13 +10,15 @@ The first event a lease publishes carries the job's queue wait (ResultEvent.queu
 so the gateway learns when the job left the queue without an event, and a wake-up, of
 its own.
 
-Beside its streams, a JobClient keeps three things in the background (`_keep`, once a
+Beside its streams, a JobClient keeps four things in the background (`_keep`, once a
 second): its presence in the queue (`publish_gateway`), so that the jobs of a gateway
 that died are abandoned instead of run for nobody; the cancels the queue could not take
 when they were made (Redis unreachable), tried again until they land, so that a client
-answered with an error does not leave its job to run once Redis is back; and a watch
-on the fleet: a request waiting for a worker when none has been live for `no_worker_ms`
-is answered with NoCapacityError (503 no_capacity) and its job cancelled.
+answered with an error does not leave its job to run once Redis is back; the jobs whose
+usage records are written (`settle`), told to the queue so that no other gateway bills
+them again should this one die; and a watch on the fleet: a request waiting for a worker
+when none has been live for `no_worker_ms` is answered with NoCapacityError (503
+no_capacity) and its job cancelled.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ import socket
 import statistics
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +73,10 @@ PRESENCE_TTL_MS = 5_000
 # no more: its presence lapses and its jobs are abandoned.
 CANCEL_RETRY_S = 600.0
 MAX_PENDING_CANCELS = 100_000
+# Settled jobs kept for the next round while the queue cannot be reached; past it the
+# oldest are forgotten (should this gateway then die, the gateway that claims them finds
+# their usage records written and bills nothing twice).
+MAX_UNSETTLED = 100_000
 # A request still waiting for a token after the fleet has shown no live worker for this
 # long is answered 503 no_capacity. A worker's report lapses 5 s after its last
 # heartbeat, so a client hears within about 5 s + this + a round that its worker died
@@ -320,6 +327,7 @@ class JobClient:
         self._keepers: list[asyncio.Task[None]] = []
         # job id -> monotonic time after which its cancel is no longer retried
         self._pending_cancels: dict[str, float] = {}
+        self._unsettled: deque[str] = deque(maxlen=MAX_UNSETTLED)
         self._no_worker_since: float | None = None  # monotonic; None while one is live
         self._background: set[asyncio.Task[Any]] = set()
         # How the jobs that finished here stopped, by age (see tenant_release_s).
@@ -497,6 +505,22 @@ class JobClient:
         except Exception:
             log.exception("request %s: could not cancel its job", job_id)
 
+    def settle(self, job_ids: Iterable[str]) -> None:
+        """These jobs' usage is written: the queue is told at the next round (see
+        QueueBackend.settle). Never blocks and never raises."""
+        self._unsettled.extend(job_ids)
+
+    async def _settle_billed(self) -> None:
+        if not self._unsettled:
+            return
+        batch, self._unsettled = self._unsettled, deque(maxlen=MAX_UNSETTLED)
+        try:
+            await self._backend.settle(self.gateway_id, list(batch))
+        except BaseException:
+            batch.extend(self._unsettled)  # in order; past the cap the oldest go
+            self._unsettled = batch
+            raise
+
     def _retry_cancel(self, job_id: str) -> None:
         if self._closed:
             return  # aclose tries the pending ones a last time; later ones lapse with us
@@ -522,7 +546,7 @@ class JobClient:
                     context=contextvars.Context(),
                 ),
                 asyncio.create_task(
-                    self._keep(self._retry_cancels, self._watch_workers),
+                    self._keep(self._retry_cancels, self._settle_billed, self._watch_workers),
                     name="job-client-watch",
                     context=contextvars.Context(),
                 ),
@@ -611,6 +635,8 @@ class JobClient:
         await asyncio.gather(*keepers, return_exceptions=True)
         with contextlib.suppress(Exception):
             await self._retry_cancels()  # a last try; what is left lapses with us
+        with contextlib.suppress(Exception):
+            await self._settle_billed()
         with contextlib.suppress(Exception):
             # Lapse now rather than after the TTL: what is still queued goes at once.
             await self._backend.publish_gateway(self.gateway_id, 1)

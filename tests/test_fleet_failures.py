@@ -11,7 +11,8 @@ the CPU. Checked here, each against real processes and the jobs' records in Redi
 - A gateway is SIGKILLed with streams in flight and more queued, and a batch it drives:
   its jobs stop within seconds (abandoned: its presence lapsed), instead of running to
   their end; the other gateway takes the batch over and runs each line once more, and
-  the batch ends with one result per line.
+  the batch ends with one result per line; it also bills the dead gateway's requests
+  that left the queue, for what their streams hold.
 - The only worker is SIGKILLed mid-request: the client gets 503 `no_capacity` within a
   bound; when a worker comes back before that bound, the request completes normally.
 
@@ -141,6 +142,30 @@ class Fleet:
                 await connection.close()
 
         return asyncio.run(read())
+
+    def usage(self, tenant_id: str) -> dict[str, tuple[str, int, int]]:
+        """The tenant's usage records: request id -> (outcome, prompt, completion)."""
+
+        async def read() -> dict[str, tuple[str, int, int]]:
+            dsn = self.database_url.replace("postgresql+asyncpg", "postgresql")
+            connection = await asyncpg.connect(dsn, timeout=10)
+            try:
+                rows = await connection.fetch(
+                    "SELECT request_id, outcome, prompt_tokens, completion_tokens "
+                    "FROM usage_records WHERE tenant_id = $1",
+                    tenant_id,
+                )
+            finally:
+                await connection.close()
+            return {r[0]: (r[1], r[2], r[3]) for r in rows}
+
+        return asyncio.run(read())
+
+    def streamed_tokens(self, job_id: str) -> int:
+        """The tokens in the job's result stream."""
+        with self.store() as store:
+            entries = store.xrange(KeySpace(self.prefix).results(job_id))
+        return sum(len(f["t"].split(",")) for _, f in entries if f.get("t"))
 
     def last_token_ms(self, job_id: str) -> int | None:
         """When (Redis's clock) the job's last tokens reached its result stream."""
@@ -483,6 +508,23 @@ def test_the_jobs_of_a_killed_gateway_stop_within_seconds(fleet: Fleet) -> None:
     assert orphans_last_ms <= GATEWAY_DEATH_BOUND_MS
     assert totals["abandoned_jobs"] >= states.count("cancelled")
     assert scraped.startswith("tiergate_queue_abandoned_jobs_total ")
+    # The survivor bills the victim's requests that left the queue, for what their
+    # streams hold, once the victim has been gone for the billing grace (15 s); those
+    # that never left it cost nothing, and the abandoned batch lines are not billed (the
+    # lines ran again).
+    served = {i: j for i, j in jobs.items() if int(j.get("att") or 0) > 0}
+    assert len(served) >= 2 * MAX_NUM_SEQS
+    billed = _until(
+        lambda: len(u := fleet.usage(tenant_id)) >= len(served) and u,
+        60,
+        "the dead gateway's requests to be billed",
+    )
+    assert set(billed) == set(served)
+    for job_id, (outcome, prompt, completion) in billed.items():
+        assert completion == fleet.streamed_tokens(job_id)
+        assert prompt == (int(served[job_id]["pin"]) if completion else 0)
+        assert outcome == ("ok" if served[job_id]["st"] == "done" else "aborted")
+    print(f"billed for the dead gateway: {sorted(billed.values())}")
 
 
 TERMINAL = {"completed", "failed", "expired", "cancelled"}

@@ -66,6 +66,17 @@ class RequestPlan:
         """What the request may use at most: its prompts and every choice's max_tokens."""
         return self.num_prompt_tokens + sum(job.params.max_tokens for job in self.jobs)
 
+    def billed_by_queue(self) -> RequestPlan:
+        """The plan with each prompt's first choice carrying that prompt's tokens and the
+        other choices none (Job.bill_prompt_tokens): what the queue bills should this
+        gateway go before writing the request's usage record (a live request's; a Batch
+        API line is run again instead)."""
+        jobs = [
+            replace(job, bill_prompt_tokens=0 if i % self.n else self.prompt_tokens[i // self.n])
+            for i, job in enumerate(self.jobs)
+        ]
+        return replace(self, jobs=jobs)
+
     def echoed_for(self, index: int) -> EchoedPrompt | None:
         """What `echo` puts before choice `index` (None without it)."""
         return None if self.echoed is None else self.echoed[index // self.n]

@@ -79,6 +79,7 @@ class Exchange:
             outcome=outcome,
             slo=self.slo,
             prices=self.prices,
+            job_ids=tuple(self.job_ids),
         )
 
 
@@ -96,6 +97,7 @@ def usage_record(
     outcome: str,
     slo: SloTargets | None,
     prices: TokenPrices | None,
+    job_ids: tuple[str, ...] = (),
 ) -> UsageRecord:
     """The UsageRecord of a request (live, or a batch line) ending now; times are
     monotonic seconds, `slo` and `prices` those of the tier it ran at."""
@@ -114,6 +116,7 @@ def usage_record(
         created_at=datetime.now(UTC),
         slo=slo,
         prices=prices,
+        job_ids=job_ids,
         **choice_counts(choice_tokens),
     )
 

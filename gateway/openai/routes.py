@@ -176,6 +176,7 @@ class OpenAIRoutes:
             plan = await self.plan(
                 parsed, len(body), request_id, principal, tier, arrival_s, chat=chat
             )
+            plan = plan.billed_by_queue()
             exchange.num_prompt_tokens = plan.num_prompt_tokens
             exchange.choice_tokens = [0] * len(plan.jobs)
             headers = await self._admit(

@@ -6,8 +6,9 @@
 --       id or '' (its jobs are abandoned once it has gone: owner_gone in _lib.lua), then
 --       3 per job: job_id, job JSON, and the fields the queue reads in one tab-separated
 --       string (fewer arguments cost the client less): tier, weight (the tenant's from
---       now on), prompt tokens, max_tokens, deadline ms or '', expire-at ms or '', tenant
---       (last, so it may hold any character)
+--       now on), prompt tokens, max_tokens, deadline ms or '', expire-at ms or '', the
+--       prompt tokens billed should the gateway go unsettled or '' (not tracked: see
+--       `unbilled` in scheduler/keys.py), tenant (last, so it may hold any character)
 --       The SLO budget is SloBudget's fields, space-separated: ttft_slo_ms, prefill and
 --       decode tokens/s, held prefill and decode tokens, decode fraction, free sequence
 --       slots, slots it may preempt, requests held without a slot ahead of it, 1 if
@@ -24,7 +25,8 @@ local seq, first_seq = nil, nil
 local outcomes = {}
 depth_pending = {}
 
-local FIELDS = '^([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t(.*)$'
+local FIELDS = '^([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t(.*)$'
+local num_unbilled = 0
 local budget = nil
 local held = nil
 if ARGV[3] ~= '' then
@@ -56,7 +58,7 @@ if ARGV[3] ~= '' then
 end
 
 local function enqueue_one(id, json, fields)
-  local tier, weight, pin, dec, dl, ex, tenant = string.match(fields, FIELDS)
+  local tier, weight, pin, dec, dl, ex, bp, tenant = string.match(fields, FIELDS)
   local p = policies[tier]
   if p == nil then
     local h = redis.call('HMGET', K.tier_policy, 'rank:' .. tier, 'max_queued:' .. tier)
@@ -102,6 +104,11 @@ local function enqueue_one(id, json, fields)
   -- which charges of all its jobs divide by.
   redis.call('HSET', K.weights, tenant, weight)
   redis.call('HINCRBY', K.live_jobs, tenant, 1)
+  if bp ~= '' and ARGV[4] ~= '' then
+    redis.call('HSET', K.job .. id, 'bp', bp)
+    redis.call('SADD', K.unbilled .. ARGV[4], id)
+    num_unbilled = num_unbilled + 1
+  end
   push(id, tier, tenant, seq, tonumber(pin), tonumber(dec), dl)
   if ex ~= '' then redis.call('ZADD', K.expiries, ex, id) end
   return ok
@@ -112,4 +119,5 @@ for a = 5, #ARGV, 3 do
 end
 if seq and seq > first_seq then redis.call('INCRBY', K.seq, seq - first_seq) end
 for tier, n in pairs(depth_pending) do redis.call('HINCRBY', K.depth, tier, n) end
+if num_unbilled > 0 then redis.call('SADD', K.billing, ARGV[4]) end
 return table.concat(outcomes, ' ')

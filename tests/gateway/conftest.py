@@ -48,6 +48,7 @@ class LiveServer:
     keys: dict[str, str] = field(default_factory=dict)  # tier -> API key of a tenant
     tenant_ids: dict[str, str] = field(default_factory=dict)  # tier -> tenant id
     suspended_key: str = ""
+    redis_prefix: str | None = None  # the queue's key prefix on REDIS_URL; None: in memory
     # Every client handed out, closed with the server: a test that drops one would
     # otherwise leave its sockets to whichever later test the collector runs in.
     clients: list[openai.OpenAI] = field(default_factory=list)
@@ -274,7 +275,11 @@ def queue_server(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[L
     thread = ServerThread(build_app(settings, engine=engine))
     thread.start()
     served = LiveServer(
-        f"http://127.0.0.1:{thread.port}", settings.admin_token or "", settings.db_url, engine
+        f"http://127.0.0.1:{thread.port}",
+        settings.admin_token or "",
+        settings.db_url,
+        engine,
+        redis_prefix=prefix if redis_url is not None else None,
     )
     try:
         served.keys["interactive"] = served.new_key()

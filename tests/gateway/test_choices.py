@@ -15,8 +15,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import redis
 
 from gateway.openai.choices import choice_job_id, choice_jobs, merge_choices
+from scheduler.keys import KeySpace
+from tests.conftest import REDIS_URL
 from tests.gateway.conftest import (
     LiveServer,
     ServerThread,
@@ -118,6 +121,31 @@ def test_choices_leave_one_usage_record(queue_server: LiveServer) -> None:
     assert rows[0].num_choices == 4
     # Its TPOT is its longest choice's (gateway.usage.UsageRecord.decode_tokens).
     assert rows[0].longest_choice_tokens == max(lengths)
+    if queue_server.redis_prefix is not None:
+        _assert_settled(queue_server.redis_prefix, request_id, 4, reply.usage.prompt_tokens)
+
+
+def _assert_settled(prefix: str, request_id: str, n: int, prompt_tokens: int) -> None:
+    """The request's jobs were queued with the prompt they bill, once, should the gateway
+    die before billing them (gateway.usage_recovery), and were settled once its usage
+    record was written: no gateway would bill them again."""
+    keys = KeySpace(prefix)
+    job_ids = [choice_job_id(request_id, i) for i in range(n)]
+    with redis.Redis.from_url(REDIS_URL, decode_responses=True) as store:
+        assert [store.hget(keys.job(j), "bp") for j in job_ids] == [str(prompt_tokens)] + ["0"] * (
+            n - 1
+        )
+        deadline = time.monotonic() + 10  # settled at the gateway's next round (1 s)
+        while True:
+            gateways = store.smembers(keys.billing)
+            unsettled = [
+                j for gw in gateways for j in job_ids if store.sismember(keys.unbilled(gw), j)
+            ]
+            if not unsettled or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert len(gateways) == 1
+        assert unsettled == []
 
 
 def test_tpm_reserves_max_tokens_for_every_choice(queue_server: LiveServer) -> None:
