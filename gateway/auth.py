@@ -22,7 +22,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from gateway.db.models import ApiKey, Tenant
-from gateway.errors import AuthenticationError, PermissionDeniedError
+from gateway.errors import AuthenticationError, NotFoundError, PermissionDeniedError
 from gateway.tiers import TierCatalog, TierPolicy
 
 KEY_PREFIX = "tg-"
@@ -127,7 +127,17 @@ class KeyAuthenticator:
         """The Principal behind `authorization` (the raw header value)."""
         secret = _parse_bearer(authorization)
         digest = digest_key(secret)
-        entry = await self._lookup(digest)
+        try:
+            return await self._principal(digest, await self._lookup(digest))
+        except NotFoundError:
+            # The cached tenant's tier is gone: the tenant was moved off it and the tier
+            # deleted, in another process, within this cache's lag. Its key is read
+            # again, with the tenant's tier now; a tier still missing is a real 404.
+            self._generation += 1
+            self._cache.pop(digest, None)
+            return await self._principal(digest, await self._lookup(digest))
+
+    async def _principal(self, digest: str, entry: _KeyEntry | None) -> Principal:
         # The index lookup found the row by digest; the final check is constant-time.
         if entry is None or not hmac.compare_digest(entry.digest, digest):
             raise AuthenticationError("Incorrect API key provided.", code="invalid_api_key")

@@ -8,11 +8,11 @@ import hashlib
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from sqlalchemy import event, inspect, select, text, update
+from sqlalchemy import delete, event, inspect, select, text, update
 
 from gateway.auth import KeyAuthenticator, generate_api_key
 from gateway.db import repo
-from gateway.db.models import ApiKey, Tenant
+from gateway.db.models import ApiKey, Tenant, Tier
 from gateway.demo import ensure_demo_tenants
 from gateway.errors import AuthenticationError, PermissionDeniedError
 from gateway.tiers import TierCatalog
@@ -243,3 +243,24 @@ async def test_no_key_is_stored_in_clear(db_sessionmaker) -> None:
         assert secret not in everything
         assert secret[10:30] not in everything
         assert hashlib.sha256(secret.encode()).hexdigest() in digests
+
+
+async def test_a_tenant_moved_off_a_deleted_tier_is_read_again(db_sessionmaker) -> None:
+    # Another process moved the tenant off its tier and deleted the tier: this process's
+    # tiers are read again (its version poll), its key cache still has the old tier.
+    async with db_sessionmaker() as session:
+        session.add(Tier(name="doomed", rank=7))
+        await session.commit()
+    tenant, _, secret = await _tenant_with_key(db_sessionmaker, tier="doomed")
+    tiers = TierCatalog(db_sessionmaker, ttl_s=60)
+    auth = KeyAuthenticator(db_sessionmaker, tiers, cache_ttl_s=60)
+    assert (await auth.authenticate(f"Bearer {secret}")).tier.name == "doomed"
+    async with db_sessionmaker() as session:
+        await session.execute(
+            update(Tenant).where(Tenant.id == tenant.id).values(tier="interactive")
+        )
+        await session.execute(delete(Tier).where(Tier.name == "doomed"))
+        await session.commit()
+    tiers.invalidate()
+    principal = await auth.authenticate(f"Bearer {secret}")
+    assert (principal.tenant_id, principal.tier.name) == (tenant.id, "interactive")
