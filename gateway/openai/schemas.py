@@ -246,13 +246,8 @@ def _options(data: dict[str, Any], *, chat: bool) -> GenerationOptions:
 _UNSUPPORTED = (
     "tools",
     "functions",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
     "guided_decoding_backend",
     "guided_whitespace_pattern",
-    "structured_outputs",
     "logits_processors",
     "chat_template",
     "chat_template_kwargs",
@@ -261,6 +256,7 @@ _UNSUPPORTED = (
     "return_tokens_as_token_ids",
     "documents",
     "mm_processor_kwargs",
+    "prompt_embeds",
 )
 # Unsupported fields and the values of theirs that ask for nothing (OpenAI's defaults,
 # vLLM's for its extensions: a client may send a whole default parameter set); none for
@@ -275,11 +271,35 @@ _DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "tool_choice": ("none",),
     "function_call": ("none",),
     "modalities": (["text"],),
+    # Guided decoding: any value but null constrains the output in vLLM (an empty
+    # schema `{}` means "any JSON value", an empty regex or choice list is an error).
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "structured_outputs": (),
     # vLLM's sampling knobs at their no-op values.
     "length_penalty": (1, 1.0),
     "bad_words": ([],),
     "allowed_token_ids": (),
     "priority": (0,),  # vLLM's request priority: here the tier decides
+    # Other servers' samplers (Hugging Face TGI and transformers, llama.cpp,
+    # text-generation-webui, KoboldCpp), which a client written for them may send:
+    # accepted only at their no-op values.
+    "typical_p": (1, 1.0),
+    "tfs": (1, 1.0),
+    "tfs_z": (1, 1.0),
+    "top_a": (0, 0.0),
+    "epsilon_cutoff": (0, 0.0),
+    "eta_cutoff": (0, 0.0),
+    "mirostat": (0,),
+    "mirostat_mode": (0,),
+    "dry_multiplier": (0, 0.0),
+    "xtc_probability": (0, 0.0),
+    "smoothing_factor": (0, 0.0),
+    "no_repeat_ngram_size": (0,),
+    "repetition_penalty_range": (0,),
+    "bad_words_ids": ([],),
     # vLLM's output switches, at the behaviour this server has.
     "skip_special_tokens": (True,),
     "include_stop_str_in_output": (False,),
@@ -288,6 +308,7 @@ _DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "truncate_prompt_tokens": (),
     "add_generation_prompt": (True,),
     "detokenize": (True,),
+    "return_token_ids": (False,),  # vLLM's: adds the token ids to the response
 }
 MAX_COMPLETION_LOGPROBS = 5  # the text endpoint's cap
 MAX_TOP_LOGPROBS = 20  # chat's
