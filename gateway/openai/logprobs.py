@@ -125,7 +125,11 @@ class LogprobsWriter:
         }
 
     def _top_object(self, logprob: TokenLogprob) -> dict[str, float]:
+        """The text endpoint's top tokens, with the token itself as OpenAI's legacy
+        completions and vLLM write them: up to logprobs + 1 entries (one, the token's,
+        with `logprobs: 0`)."""
         top: dict[str, float] = {}
         for token, value in logprob.top:  # most likely first: it keeps a shared key
             top.setdefault(self._texts(token)[0], value)
+        top.setdefault(self._texts(logprob.token_id)[0], logprob.logprob)
         return top

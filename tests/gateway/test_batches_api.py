@@ -177,7 +177,8 @@ def test_text_completions_batch(live_server: LiveServer) -> None:
         if result["custom_id"] == "c0":
             tokens = result["response"]["body"]["usage"]["completion_tokens"]
             assert len(logprobs["token_logprobs"]) == tokens
-            assert all(len(top) == 1 for top in logprobs["top_logprobs"])
+            # The likeliest token, and the sampled one when it is another.
+            assert all(1 <= len(top) <= 2 for top in logprobs["top_logprobs"])
         else:
             assert logprobs is None
     assert batch.error_file_id is None

@@ -52,3 +52,25 @@ def test_top_logprobs_keep_the_likelier_of_two_tokens_sharing_a_text(texts) -> N
     top = ((special, -0.1), (7, -0.2), (special, -3.0))
     body = LogprobsWriter(texts, chat=False).body([TokenLogprob(special, -0.1, top)])
     assert body["top_logprobs"][0] == {"<|begin_of_text|>": -0.1, texts(7)[0]: -0.2}
+
+
+def test_top_logprobs_hold_the_token_itself(texts) -> None:
+    # OpenAI's legacy completions and vLLM: up to logprobs + 1 entries, the token's own
+    # among them; with logprobs 0, only the token's.
+    sampled, likelier = 9, 7
+    writer = LogprobsWriter(texts, chat=False)
+    body = writer.body(
+        [
+            TokenLogprob(sampled, -2.5, ((likelier, -0.3),)),
+            TokenLogprob(likelier, -0.3, ((likelier, -0.3),)),
+            TokenLogprob(sampled, -2.5),  # logprobs: 0
+        ]
+    )
+    assert body["top_logprobs"] == [
+        {texts(likelier)[0]: -0.3, texts(sampled)[0]: -2.5},
+        {texts(likelier)[0]: -0.3},
+        {texts(sampled)[0]: -2.5},
+    ]
+    # Chat lists top_logprobs as asked, the token apart (as OpenAI does).
+    chat = LogprobsWriter(texts, chat=True).body([TokenLogprob(sampled, -2.5, ((likelier, -0.3),))])
+    assert [e["token"] for e in chat["content"][0]["top_logprobs"]] == [texts(likelier)[0]]

@@ -135,7 +135,10 @@ def test_text_completion_logprobs_streamed_and_not(live_server: LiveServer) -> N
         model=MODEL, prompt="Hello world", max_tokens=60, temperature=0, logprobs=0
     ).choices[0]
     assert longer.logprobs.text_offset[-1] <= len(longer.text)
-    assert all(top == {} for top in longer.logprobs.top_logprobs)
+    # logprobs 0: the token's own entry alone (as OpenAI's legacy completions and vLLM).
+    longer_lp = longer.logprobs
+    scored = zip(longer_lp.tokens, longer_lp.token_logprobs, longer_lp.top_logprobs, strict=True)
+    assert all(top == {token: value} for token, value, top in scored)
     streamed = client.completions.create(
         model=MODEL, prompt="abc", max_tokens=6, temperature=0, logprobs=2, stream=True
     )
