@@ -270,6 +270,10 @@ class _BatchRun:
         if self.principal is None or time.monotonic() - self.loaded_s >= self.config.heartbeat_s:
             await self._load_principal(batch)
         if self.is_suspended:
+            # Paused now, not once the window in flight has run: those lines stop,
+            # unbilled, and run again once the tenant is active.
+            if self.in_flight:
+                await self.stop_lines()
             return True
         if time.monotonic() < self.refused_until_s:
             return True  # the queue is full: leave the lines pending a little longer

@@ -1,7 +1,8 @@
 """Running one batch line: the body is admitted exactly as the live endpoint admits it.
 
 The body goes through the OpenAI routes' own parsing, model check, tokenisation and
-context-length check, becomes a Job at the batch's tier with the batch's deadline, and
+context-length check (not the tenant's RPM and TPM, which batch work does not take, nor
+its tier's queue limit), becomes a Job at the batch's tier with the batch's deadline, and
 is submitted through the dispatcher like any request. A body the live endpoint would
 refuse gets the same status code and error body, in the error file; the rest of the
 batch runs. Every line that reaches an outcome leaves one UsageRecord at the batch's tier
@@ -231,7 +232,11 @@ class LineRunner:
             parsed, len(body), request_id, principal, tier, time.time(), chat=chat
         )
         # The deadline is the batch's (creation + window), not this line's arrival + window.
-        return replace(plan, jobs=[replace(job, deadline_s=deadline_s) for job in plan.jobs])
+        # A line waits in the queue as long as that window allows: the tier's queue limit
+        # is for a client waiting on a connection (a batch's own window of lines, queued
+        # at once, pushed each other past it, and the lines failed with queue_timeout).
+        jobs = [replace(job, deadline_s=deadline_s, max_queue_ms=None) for job in plan.jobs]
+        return replace(plan, jobs=jobs)
 
 
 @dataclass

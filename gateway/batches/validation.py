@@ -91,6 +91,12 @@ def parse_create_request(body: bytes) -> CreateBatchRequest:
             f"completion_window must be one of {', '.join(COMPLETION_WINDOWS_S)}.",
             param="completion_window",
         )
+    if data.get("output_expires_after") is not None:
+        # Silently kept forever, an output file would outlive what the client asked for.
+        raise InvalidRequestError(
+            "output_expires_after is not supported: output and error files are kept until deleted.",
+            param="output_expires_after",
+        )
     return CreateBatchRequest(input_file_id, endpoint, window, _metadata(data.get("metadata")))
 
 

@@ -153,6 +153,20 @@ def test_batch_end_to_end(live_server: LiveServer) -> None:
     assert created.id in [b.id for b in client.batches.list(limit=100).data]
 
 
+def test_lines_are_not_held_to_their_tiers_queue_limit(live_server: LiveServer) -> None:
+    # A tier whose live requests are dropped after 1 ms in the queue: a batch's lines,
+    # queued together, wait for each other far longer, and all of them run.
+    tier = f"quick-{uuid.uuid4().hex[:6]}"
+    with live_server.admin() as admin:
+        admin.post("/tiers", json={"name": tier, "rank": 4, "max_queue_ms": 1}).raise_for_status()
+    client = live_server.client(_tenant_key(live_server, tier))
+    lines = [_chat_line(f"q-{i}", f"Question {i}?", max_tokens=8) for i in range(12)]
+    batch = _wait(client, _submit(client, lines).id)
+    assert batch.status == "completed"
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (12, 0)
+    assert batch.error_file_id is None
+
+
 def test_text_completions_batch(live_server: LiveServer) -> None:
     client = live_server.client(_tenant_key(live_server, "priority"))
     lines = [
@@ -576,7 +590,7 @@ def test_a_tier_running_a_batch_cannot_be_deleted(live_server: LiveServer) -> No
 
 def test_a_suspended_tenants_batch_pauses_and_resumes(live_server: LiveServer) -> None:
     with live_server.admin() as admin:
-        tier = paced_tier(admin)
+        tier = paced_tier(admin, max_concurrency=4)  # four lines in flight at a time
         tenant = admin.post("/tenants", json={"name": f"s-{uuid.uuid4().hex[:8]}", "tier": tier})
         tenant.raise_for_status()
         tenant_id = tenant.json()["id"]
@@ -586,14 +600,18 @@ def test_a_suspended_tenants_batch_pauses_and_resumes(live_server: LiveServer) -
         batch_id = _submit(client, _long_lines(n)).id
         _until_completed(client, batch_id, 2)
         admin.patch(f"/tenants/{tenant_id}", json={"status": "suspended"}).raise_for_status()
-        # The driver reads the tenant every heartbeat (at most 1 s), lets the line in
-        # flight finish, then gives the batch's slot up. Suspended, the tenant's key
-        # answers nothing, so the admin side watches.
+        suspended = _line_counts(live_server, batch_id)
+        # The driver reads the tenant every heartbeat (at most 1 s), stops the lines in
+        # flight, then gives the batch's slot up. Suspended, the tenant's key answers
+        # nothing, so the admin side watches.
         deadline = time.monotonic() + 60
         while _owner(live_server, batch_id) is not None:
             assert time.monotonic() < deadline, "the paused batch kept its driver slot"
             time.sleep(0.1)
         paused = _line_counts(live_server, batch_id)
+        # The four in flight did not run on to their end (a line takes seconds): at most
+        # one ended before the driver's next look at the tenant.
+        assert paused["done"] - suspended["done"] <= 1, (suspended, paused)
         time.sleep(2.0)
         assert _line_counts(live_server, batch_id) == paused  # nothing more ran
         assert _owner(live_server, batch_id) is None  # not claimed again while suspended

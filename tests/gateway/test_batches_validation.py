@@ -88,7 +88,9 @@ def test_custom_id_must_be_a_short_string() -> None:
 
 def test_create_request() -> None:
     body = {"input_file_id": "file-1", "endpoint": CHAT, "completion_window": "24h"}
-    parsed = parse_create_request(json.dumps({**body, "metadata": {"k": "v"}}).encode())
+    parsed = parse_create_request(
+        json.dumps({**body, "metadata": {"k": "v"}, "output_expires_after": None}).encode()
+    )
     assert (parsed.input_file_id, parsed.endpoint, parsed.metadata) == ("file-1", CHAT, {"k": "v"})
     for change, param in [
         ({"input_file_id": None}, "input_file_id"),
@@ -97,6 +99,10 @@ def test_create_request() -> None:
         ({"metadata": [1]}, "metadata"),
         ({"metadata": {str(i): "v" for i in range(17)}}, "metadata"),
         ({"metadata": {"k": "v" * 513}}, "metadata.k"),
+        (
+            {"output_expires_after": {"anchor": "created_at", "seconds": 3600}},
+            "output_expires_after",
+        ),
     ]:
         with pytest.raises(InvalidRequestError) as info:
             parse_create_request(json.dumps({**body, **change}).encode())
