@@ -86,8 +86,16 @@ def render_csv(lines: list[UsageLine]) -> str:
     writer.writerow(CSV_COLUMNS)
     for line in lines:
         row = line.as_dict()
+        row["cost"] = decimal_text(line.cost)
         writer.writerow(["" if row[c] is None else row[c] for c in CSV_COLUMNS])
     return out.getvalue()
+
+
+def decimal_text(amount: float) -> str:
+    """An amount in plain decimals to the billionth, as billing sheets read it (Python
+    writes 1.2e-05 for a small float)."""
+    text = f"{amount:.9f}".rstrip("0").rstrip(".")
+    return "0" if text in ("", "-0") else text
 
 
 def usage_routes(deps: AdminDeps) -> list[BaseRoute]:

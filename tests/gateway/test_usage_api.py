@@ -177,6 +177,20 @@ def test_usage_api_reports_live_traffic_as_json_and_csv(live_server: LiveServer)
         assert records[0]["tenant_id"] == tenant
         assert int(records[0]["requests"]) == 3
         assert float(records[0]["cost"]) == pytest.approx(line["cost"])
+        assert "e" not in records[0]["cost"]  # plain decimals, however small
+
+
+def test_csv_costs_are_plain_decimals() -> None:
+    from gateway.admin.usage_routes import decimal_text
+
+    assert [decimal_text(x) for x in (1.2e-05, 1.525e-05, 0.0, 3.0, 12.5, 1e-10)] == [
+        "0.000012",
+        "0.00001525",
+        "0",
+        "3",
+        "12.5",
+        "0",
+    ]
 
 
 @pytest.mark.parametrize(
