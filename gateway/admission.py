@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from gateway.auth import Principal
+from gateway.concurrency_wait import FleetReleases
 from gateway.errors import InvalidRequestError, RateLimitedError, ServiceUnavailableError
 from gateway.tiers import TierPolicy
 from scheduler.admission import AdmissionConfig, NoCapacityError, job_service_ms, slo_budget
@@ -143,7 +144,10 @@ class Admission:
         capacity_max_age_ms: float = CAPACITY_MAX_AGE_MS,
         hold_ms: int = HOLD_MS,
         renew_every_s: float = RENEW_EVERY_S,
+        fleet_releases: FleetReleases | None = None,
     ) -> None:
+        """`fleet_releases`: where the tenant's requests may stream through other
+        gateways too (a Redis fleet), the waits at its concurrency cap count them all."""
         if not 0 < renew_every_s * 1000 < hold_ms:
             raise ValueError("reservations must be renewed more often than they lapse")
         self._limiter = limiter
@@ -157,6 +161,7 @@ class Admission:
         self._config = config or AdmissionConfig()
         self._grace_ms = queue_timeout_grace_ms
         self._releases: set[asyncio.Task[None]] = set()
+        self._fleet_releases = fleet_releases
 
     @property
     def backend(self) -> QueueBackend:
@@ -191,6 +196,8 @@ class Admission:
                 principal.tenant_id,
                 limits,
                 num_tokens,
+                # Its slots name the request's jobs (gateway.concurrency_wait).
+                reservation_id=job.job_id,
                 hold_ms=self._hold_ms,
                 num_slots=num_choices,
             )
@@ -213,13 +220,7 @@ class Admission:
             if exc.retry_after_ms is not None:
                 retry_s: float | None = exc.retry_after_ms / 1000.0
             else:
-                # The concurrency cap: slots free as the tenant's running requests end.
-                # The fleet's time for one request like this one (the fallback, when none
-                # of them streams through this gateway) was 15 ms where a tenant's one
-                # running request had seconds left: its client retried 60 times a second.
-                retry_s = self._jobs.tenant_release_s(job.tenant_id, exc.num_slots_short)
-                if retry_s is None:
-                    retry_s = await self._service_s(job)
+                retry_s = await self._concurrency_wait_s(job, exc.num_slots_short)
             raise RateLimitedError(
                 exc.message,
                 code=RATE_LIMIT_CODES[exc.limit],
@@ -298,6 +299,24 @@ class Admission:
         if is_full and capacity.release_ms:
             return nth_release_ms(capacity.release_ms, capacity.num_waiting_ahead(rank)) / 1000.0
         return await self._service_s(job)
+
+    async def _concurrency_wait_s(self, job: Job, num_slots_short: int) -> float | None:
+        """At the concurrency cap, slots free as the tenant's running requests end:
+        when as many as must end are expected to, counted over the fleet (its requests
+        streaming through every gateway) where it shares the queue, else over those
+        streaming here. The fleet's time for one request like this one is the last
+        resort: it was 15 ms where a tenant's one running request had seconds left, and
+        its client retried 60 times a second."""
+        tenant = job.tenant_id
+        retry_s = None
+        if self._fleet_releases is not None:
+            with contextlib.suppress(BackendUnavailableError):
+                retry_s = await self._fleet_releases.release_s(tenant, num_slots_short)
+        if retry_s is None:
+            retry_s = self._jobs.tenant_release_s(tenant, num_slots_short)
+        if retry_s is None:
+            retry_s = await self._service_s(job)
+        return retry_s
 
     async def _service_s(self, job: Job) -> float | None:
         """The fleet's time for one job like `job` (None if unknown)."""

@@ -32,6 +32,7 @@ from gateway.admin.ui import dashboard_routes
 from gateway.admin.usage_routes import usage_routes
 from gateway.admission import Admission
 from gateway.batches.setup import start_batch_api, upload_limits
+from gateway.concurrency_wait import FleetReleases
 from gateway.config_sync import (
     CONFIG_VERSION_SUFFIX,
     ConfigSync,
@@ -221,7 +222,12 @@ async def _build_router(
         )
         recovery.start()
         stack.push_async_callback(recovery.aclose)
-    admission = Admission(queue.limiter, jobs, on_unknown_tier=sync.push_tiers)
+    fleet_releases = None
+    if queue.is_shared:  # a tenant's requests stream through every gateway
+        fleet_releases = FleetReleases(queue.limiter, queue.backend, lambda: jobs.stop_hazard.curve)
+    admission = Admission(
+        queue.limiter, jobs, on_unknown_tier=sync.push_tiers, fleet_releases=fleet_releases
+    )
     stack.push_async_callback(admission.aclose)
     monitor = QueueMonitor(queue.backend)
     monitor.start()

@@ -153,6 +153,19 @@ class UnbilledJob:
 
 
 @dataclass(frozen=True)
+class JobProgress:
+    """How far a queued or leased job has run, from its result stream (times are epoch
+    ms by the queue's clock; None before its first token)."""
+
+    job_id: str
+    is_leased: bool  # False: still queued
+    max_tokens: int
+    num_tokens: int  # streamed so far
+    first_token_ms: int | None
+    last_token_ms: int | None
+
+
+@dataclass(frozen=True)
 class QueueTotals:
     """What happened to leased jobs since the queue began (operators watch the rates)."""
 
@@ -494,6 +507,10 @@ class QueueBackend(Protocol):
         ...
 
     async def job_status(self, job_id: str) -> JobStatus | None: ...
+
+    async def job_progress(self, job_ids: Sequence[str]) -> list[JobProgress]:
+        """The progress of those of `job_ids` still queued or leased, in order."""
+        ...
 
     async def depth(self) -> dict[str, TierDepth]: ...
 

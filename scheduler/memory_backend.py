@@ -23,6 +23,7 @@ from scheduler.backend import (
     DuplicateJobError,
     EventKind,
     FleetCapacity,
+    JobProgress,
     JobStatus,
     QueueFullError,
     QueueTotals,
@@ -132,11 +133,21 @@ class _Tier:
 
 @dataclass(eq=False)
 class _Stream:
+    clock_ms: Callable[[], int]
     events: list[ResultEvent] = field(default_factory=list)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # Its tokens, and when the first and the last came (job_progress).
+    num_tokens: int = 0
+    first_token_ms: int | None = None
+    last_token_ms: int | None = None
 
     def append(self, kind: EventKind, **fields: Any) -> None:
         self.events.append(ResultEvent(kind, cursor=str(len(self.events) + 1), **fields))
+        if num_tokens := len(fields.get("token_ids", ())):
+            self.num_tokens += num_tokens
+            self.last_token_ms = self.clock_ms()
+            if self.first_token_ms is None:
+                self.first_token_ms = self.last_token_ms
         self.changed.set()
         if kind is EventKind.TOKENS:  # after the last event nobody waits for another
             self.changed = asyncio.Event()
@@ -528,6 +539,25 @@ class MemoryBackend:
         finished = self._finished.get(job_id)
         return None if finished is None else JobStatus(finished[0])
 
+    async def job_progress(self, job_ids: Sequence[str]) -> list[JobProgress]:
+        out = []
+        for job_id in job_ids:
+            entry = self._entries.get(job_id)
+            if entry is None or entry.status not in (JobStatus.QUEUED, JobStatus.LEASED):
+                continue
+            stream = self._streams.get(job_id) or _Stream(self._clock_ms)
+            out.append(
+                JobProgress(
+                    job_id,
+                    is_leased=entry.status is JobStatus.LEASED,
+                    max_tokens=entry.job.params.max_tokens,
+                    num_tokens=stream.num_tokens,
+                    first_token_ms=stream.first_token_ms,
+                    last_token_ms=stream.last_token_ms,
+                )
+            )
+        return out
+
     def _finish(self, entry: _Entry, status: JobStatus, now_ms: int) -> None:
         self._give_back_seq(entry)
         job = entry.job
@@ -789,7 +819,7 @@ class MemoryBackend:
     def _stream(self, job_id: str) -> _Stream:
         stream = self._streams.get(job_id)
         if stream is None:
-            stream = self._streams[job_id] = _Stream()
+            stream = self._streams[job_id] = _Stream(self._clock_ms)
         return stream
 
     def _streamed(self, job_id: str) -> tuple[int, ...]:

@@ -243,6 +243,13 @@ class MemoryRateLimiter:
         status = _status(limits, b.req or 0, b.tok or 0)  # a level is None only unlimited
         return Reservation(rid, tenant_id, num_tokens, limits, status, num_slots)
 
+    async def inflight_slots(self, tenant_id: str) -> list[str]:
+        """The tenant's concurrency slots held now (Reservation.slot_ids of its running
+        requests), in no particular order."""
+        now = self._clock_ms()
+        b = self._buckets.get(tenant_id)
+        return [] if b is None else [slot for slot, until in b.inflight.items() if until > now]
+
     async def renew(self, reservations: Sequence[Reservation], hold_ms: int) -> int:
         """Hold the slots of `reservations` for `hold_ms` from now; how many were still
         held (a lapsed or released one is not brought back)."""
@@ -291,6 +298,7 @@ class RedisRateLimiter:
     ) -> None:
         """Script calls go over `channel` when given (its owner closes it), else through
         redis-py."""
+        self._redis = client
         self._channel = channel
         self._keys = keys or KeySpace()
         self._clock_ms = clock_ms
@@ -301,6 +309,15 @@ class RedisRateLimiter:
             load_script_source("rate_release", with_queue_lib=False)
         )
         self._renew = client.register_script(load_script_source("rate_renew", with_queue_lib=False))
+
+    async def inflight_slots(self, tenant_id: str) -> list[str]:
+        """As MemoryRateLimiter.inflight_slots."""
+        with unavailable_as_error():
+            return list(
+                await self._redis.zrangebyscore(
+                    self._keys.rate_inflight(tenant_id), f"({self._clock_ms()}", "+inf"
+                )
+            )
 
     async def renew(self, reservations: Sequence[Reservation], hold_ms: int) -> int:
         """As MemoryRateLimiter.renew, in one script call (rate_renew.lua)."""

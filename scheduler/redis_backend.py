@@ -35,6 +35,7 @@ from scheduler.backend import (
     DuplicateJobError,
     EventKind,
     FleetCapacity,
+    JobProgress,
     JobStatus,
     QueueFullError,
     QueueTotals,
@@ -437,6 +438,35 @@ class RedisBackend:
         with unavailable_as_error():
             status = await self._redis.hget(self._keys.job(job_id), "st")
         return None if status is None else JobStatus(status)
+
+    async def job_progress(self, job_ids: Sequence[str]) -> list[JobProgress]:
+        """Each job's tokens counted as its stream's entries (one per engine step, each
+        of one token while it decodes), without reading them all."""
+        k = self._keys
+        with unavailable_as_error():
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for job_id in job_ids:
+                    pipe.hmget(k.job(job_id), "st", "dec")
+                    pipe.xlen(k.results(job_id))
+                    pipe.xrange(k.results(job_id), count=1)
+                    pipe.xrevrange(k.results(job_id), count=1)
+                replies = await pipe.execute()
+        out = []
+        for i, job_id in enumerate(job_ids):
+            (status, max_tokens), num_entries, first, last = replies[4 * i : 4 * i + 4]
+            if status not in (JobStatus.QUEUED, JobStatus.LEASED):
+                continue
+            out.append(
+                JobProgress(
+                    job_id,
+                    is_leased=status == JobStatus.LEASED,
+                    max_tokens=int(max_tokens or 0),
+                    num_tokens=int(num_entries),
+                    first_token_ms=int(first[0][0].split("-")[0]) if first else None,
+                    last_token_ms=int(last[0][0].split("-")[0]) if last else None,
+                )
+            )
+        return out
 
     # -- stats and admission inputs ----------------------------------------------------
 

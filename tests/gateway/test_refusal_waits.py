@@ -14,18 +14,23 @@ import time
 import uuid
 
 import pytest
+import redis.asyncio as aioredis
 
 from engine.request import SamplingParams
 from gateway.admission import Admission
 from gateway.auth import Principal
+from gateway.concurrency_wait import FleetReleases, slot_job_id
 from gateway.errors import RateLimitedError
 from gateway.tiers import TierPolicy
 from scheduler.dispatcher import Dispatcher
 from scheduler.job import Job
+from scheduler.keys import KeySpace
 from scheduler.memory_backend import MemoryBackend
 from scheduler.policy import TierConfig
-from scheduler.rate_limit import MemoryRateLimiter
+from scheduler.rate_limit import MemoryRateLimiter, RedisRateLimiter
+from scheduler.redis_backend import RedisBackend
 from scheduler.results import JobClient
+from tests.conftest import REDIS_URL
 
 CAP = 2
 
@@ -96,6 +101,60 @@ async def test_the_concurrency_wait_is_when_the_tenants_running_request_ends(eng
     finally:
         await dispatcher.aclose(0)
         await admission.aclose()
+
+
+async def test_the_concurrency_wait_counts_requests_streaming_through_another_gateway(
+    engine, redis_prefix: str
+) -> None:
+    """Two gateways share the queue and the limits: the tenant's running request streams
+    through the first, and the second, which refuses its next one, tells the wait from
+    the request's progress in the queue (its own fallback, the time of one 4-token
+    request, was 30 ms against seconds)."""
+    tier = _tier("interactive", 1)
+    client = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
+    keys = KeySpace(redis_prefix)
+    backend = RedisBackend(client, keys=keys)
+    await backend.configure_tiers([TierConfig(tier.name, tier.rank)])
+    limiter = RedisRateLimiter(client, keys=keys)
+    dispatcher = Dispatcher(backend, engine)
+    here = Admission(limiter, JobClient(backend, on_enqueue=dispatcher.notify))
+    jobs_elsewhere = JobClient(backend)
+    elsewhere = Admission(
+        limiter,
+        jobs_elsewhere,
+        fleet_releases=FleetReleases(limiter, backend, lambda: jobs_elsewhere.stop_hazard.curve),
+    )
+    principal = _principal(tier, max_concurrency=1)
+    dispatcher.start()
+    await dispatcher.publish_capacity()
+    try:
+        long_job = _job(tier, 300, ignore_eos=True)
+        reservation = await here.reserve(principal, long_job)
+        outputs = aiter(await here.enqueue(long_job, tier))
+        while (await anext(outputs)).num_output_tokens < 60:
+            pass
+        with pytest.raises(RateLimitedError) as refused:
+            await elsewhere.reserve(principal, _job(tier, 4))
+        told_at = time.monotonic()
+        assert refused.value.code == "concurrency_limit_exceeded"
+        async for _ in outputs:
+            pass
+        real_s = time.monotonic() - told_at
+        here.release_soon(reservation, 300)
+        told_s = refused.value.retry_after_s
+        assert told_s is not None
+        assert 0.33 * real_s <= told_s <= 3.0 * real_s, (told_s, real_s)
+    finally:
+        await dispatcher.aclose(0)
+        await here.aclose()
+        await elsewhere.aclose()
+        await jobs_elsewhere.aclose()
+        await backend.aclose()
+
+
+def test_a_slot_names_the_job_of_its_choice() -> None:
+    assert slot_job_id("chatcmpl-9a") == "chatcmpl-9a"
+    assert slot_job_id("chatcmpl-9a#3") == "chatcmpl-9a.3"
 
 
 async def test_the_client_learns_how_finished_requests_stopped() -> None:

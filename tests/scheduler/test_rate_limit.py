@@ -177,3 +177,15 @@ async def test_a_reservation_holds_a_slot_per_sequence(limiter, clock) -> None:
     assert await limiter.release(three, 0)  # all three come free
     four = await limiter.reserve("t", limits, 1, num_slots=4)
     assert four.num_slots == 4
+
+
+async def test_the_slots_a_tenant_holds_name_its_requests(limiter, clock) -> None:
+    limits = TenantLimits(max_concurrency=4)
+    held = await limiter.reserve("t", limits, 10, reservation_id="req-a", num_slots=3, hold_ms=1000)
+    await limiter.reserve("t", limits, 10, reservation_id="req-b", hold_ms=5000)
+    assert sorted(await limiter.inflight_slots("t")) == ["req-a", "req-a#1", "req-a#2", "req-b"]
+    assert await limiter.inflight_slots("other") == []
+    await limiter.release(held, 10)
+    assert await limiter.inflight_slots("t") == ["req-b"]
+    clock.advance(5000)  # its hold lapsed (its gateway died)
+    assert await limiter.inflight_slots("t") == []

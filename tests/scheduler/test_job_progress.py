@@ -1,0 +1,38 @@
+"""How far queued and leased jobs have run (QueueBackend.job_progress): what a gateway
+reads to tell a tenant at its concurrency cap when a slot frees, whichever gateway its
+requests stream through. Both backends, the same answers."""
+
+from __future__ import annotations
+
+import asyncio
+
+from scheduler.backend import JobProgress
+
+LEASE_MS = 5_000
+
+
+async def test_progress_of_queued_and_leased_jobs(backend, make_job, clock) -> None:
+    await backend.enqueue(make_job("t", job_id="running", max_tokens=40))
+    await backend.enqueue(make_job("t", job_id="done", max_tokens=8))
+    await backend.enqueue(make_job("t", job_id="queued", max_tokens=30))
+    assert [j.job_id for j in await backend.dispatch_many("w1", LEASE_MS, 2)] == [
+        "running",
+        "done",
+    ]
+    for token in range(5):  # one engine step each
+        assert await backend.publish_step("running", "w1", [token], queue_wait_ms=1.0)
+        clock.advance(100)
+        await asyncio.sleep(0.002)  # the Redis backend's stream ids are Redis's ms
+    assert await backend.publish_step("done", "w1", [1], finish_reason="stop")
+    progress = await backend.job_progress(["queued", "running", "done", "unknown"])
+    assert [(p.job_id, p.is_leased, p.max_tokens, p.num_tokens) for p in progress] == [
+        ("queued", False, 30, 0),
+        ("running", True, 40, 5),
+    ]
+    queued, running = progress
+    assert (queued.first_token_ms, queued.last_token_ms) == (None, None)
+    assert running.first_token_ms is not None
+    assert running.last_token_ms is not None
+    assert running.first_token_ms < running.last_token_ms
+    assert await backend.job_progress([]) == []
+    assert isinstance(running, JobProgress)
