@@ -170,6 +170,13 @@ class KeySpace:
     def queued_decode(self, tier: str) -> str:
         return self._key("qdecode", tier)
 
+    def share(self, tier: str) -> str:
+        return self._key("share", tier)
+
+    @property
+    def floor(self) -> str:
+        return self._key("floor")
+
     def results(self, job_id: str) -> str:
         return self._key("res", job_id)
 

@@ -219,6 +219,13 @@ class MemoryBackend:
     def _configure(self, tiers: Sequence[TierConfig]) -> None:
         policy.validate_tiers(tiers)
         self._tier_configs = {t.name: t for t in tiers}
+        # A tier no longer configured and with nothing queued is forgotten (its counters
+        # and share window): tiers an admin churns through must not pile up, and one
+        # made again under the same name starts afresh. Jobs of it still running charge
+        # a new, empty state.
+        for name in [n for n, t in self._tiers.items() if n not in self._tier_configs]:
+            if self._tiers[name].num_jobs == 0:
+                del self._tiers[name]
         self._reorder()
 
     def _reorder(self) -> None:

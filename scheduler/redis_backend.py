@@ -228,8 +228,25 @@ class RedisBackend:
 
     async def configure_tiers(self, tiers: Sequence[TierConfig]) -> None:
         policy.validate_tiers(tiers)
+        k = self._keys
         with unavailable_as_error():
+            # A tier no longer configured and with nothing queued is forgotten, as in
+            # MemoryBackend._configure (its keys would otherwise stay forever). Every
+            # tier that ever dispatched has a `floor` field: one removed while jobs were
+            # queued is found there once they have gone.
+            configured = {t.name for t in tiers}
+            depth = await self._redis.hgetall(k.depth)
+            known = {*await self._redis.hkeys(k.tiers), *await self._redis.hkeys(k.floor)}
+            gone = sorted(n for n in known - configured if int(depth.get(n, 0)) == 0)
             async with self._redis.pipeline(transaction=True) as pipe:
+                for name in gone:
+                    pipe.delete(
+                        k.counters(name),
+                        k.share(name),
+                        k.queued_prefill(name),
+                        k.queued_decode(name),
+                    )
+                    pipe.hdel(k.floor, name)
                 pipe.delete(self._keys.tiers, self._keys.tier_policy)
                 if tiers:
                     pipe.hset(

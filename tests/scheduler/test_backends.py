@@ -21,6 +21,8 @@ from scheduler.backend import (
 )
 from scheduler.logprobs import decode_logprobs, encode_logprobs
 from scheduler.policy import PolicyConfigError, TierConfig
+from scheduler.redis_backend import RedisBackend
+from tests.scheduler.conftest import TIERS
 
 LEASE_MS = 5_000
 
@@ -350,6 +352,32 @@ async def test_tier_changes_take_effect_at_the_next_dispatch(backend, make_job) 
     assert [t.name for t in await backend.get_tiers()] == ["batch", "priority"]
 
 
+async def test_a_removed_tier_is_forgotten_once_nothing_is_queued_in_it(
+    backend, make_job, redis_client, keys
+) -> None:
+    temp = TierConfig("temp", rank=5)
+    await backend.configure_tiers([*TIERS, temp])
+    for tenant in ("a", "b"):
+        await backend.enqueue(make_job(tenant, "temp", job_id=f"{tenant}-1"))
+    await backend.enqueue(make_job("a", "temp", job_id="a-2"))
+    for job in await backend.dispatch_many("w1", LEASE_MS, 2):
+        await backend.complete(job.job_id, worker_id="w1")
+    assert set(await backend.counters("temp")) == {"a", "b"}
+    # Removed with a job queued: kept until it has gone.
+    await backend.configure_tiers(list(TIERS))
+    assert set(await backend.counters("temp")) == {"a", "b"}
+    assert (await backend.dispatch("w1", LEASE_MS)).job_id == "a-2"
+    await backend.configure_tiers(list(TIERS))
+    assert await backend.counters("temp") == {}
+    if isinstance(backend, RedisBackend):  # nothing of it is left behind
+        names = [n async for n in redis_client.scan_iter(match=keys.pattern())]
+        assert [n for n in names if "temp" in n] == []
+    # Made again under its name, it starts afresh: its first tenant is not behind.
+    await backend.configure_tiers([*TIERS, temp])
+    await backend.enqueue(make_job("c", "temp", job_id="c-1"))
+    assert await backend.counters("temp") == {"c": 0.0}
+
+
 async def test_depth_per_tier_and_tenant(backend, make_job) -> None:
     await backend.enqueue(make_job("a", num_prompt_tokens=5, max_tokens=7))
     await backend.enqueue(make_job("a", num_prompt_tokens=3, max_tokens=1))
@@ -396,7 +424,6 @@ async def test_memory_backend_lets_finished_results_go_after_their_ttl(make_job,
     result stream is kept only `finished_result_ttl_ms` (for a reader that comes back),
     while its status stays answerable."""
     from scheduler.memory_backend import MemoryBackend
-    from tests.scheduler.conftest import TIERS
 
     backend = MemoryBackend(clock_ms=clock, finished_result_ttl_ms=1_000)
     await backend.configure_tiers(TIERS)
