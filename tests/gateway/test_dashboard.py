@@ -263,6 +263,43 @@ def test_dashboard_shows_live_data_and_edits_a_tier(
             admin.patch("/tiers/interactive", json={"ttft_slo_ms": 2000.0, "max_concurrency": None})
 
 
+def test_the_tier_form_follows_other_admins_without_losing_an_edit(
+    live_server: LiveServer, browser: Browser
+) -> None:
+    browser.call("Page.enable")
+    browser.call(
+        "Page.navigate", url=f"{live_server.base_url}/admin/ui/#token={live_server.admin_token}"
+    )
+    browser.wait_for("(document.querySelector('#tier-form select')?.options.length ?? 0) >= 3")
+    # The operator picks the batch tier and starts typing a new RPM limit.
+    browser.evaluate(
+        "(() => { const f = document.getElementById('tier-form');"
+        " f.elements.name.value = 'batch';"
+        " f.elements.name.dispatchEvent(new Event('change'));"
+        " f.elements.rpm.value = '55'; })()"
+    )
+    choices = "[...document.querySelector('#tier-form select').options].map(o => o.value)"
+    typed = "document.getElementById('tier-form').elements.rpm.value"
+    with live_server.admin() as admin:
+        try:
+            # Another admin adds a tier: it is offered, and the typing is left alone.
+            admin.post("/tiers", json={"name": "ui-a", "rank": 8}).raise_for_status()
+            browser.wait_for(f"{choices}.includes('ui-a')")
+            assert browser.evaluate(typed) == "55"
+            # One deleted and another made between two polls: the count stays, the
+            # choices change.
+            admin.delete("/tiers/ui-a").raise_for_status()
+            admin.post("/tiers", json={"name": "ui-b", "rank": 8}).raise_for_status()
+            browser.wait_for(f"{choices}.includes('ui-b') && !{choices}.includes('ui-a')")
+            assert browser.evaluate(typed) == "55"
+            assert browser.evaluate("document.querySelector('#tier-form select').value") == (
+                "batch"
+            )
+        finally:
+            admin.delete("/tiers/ui-a")
+            admin.delete("/tiers/ui-b")
+
+
 def _requests_total(tier: str) -> str:
     return f"window.tiergate.live.slo_series.reduce((n, b) => n + (b.requests['{tier}'] || 0), 0)"
 

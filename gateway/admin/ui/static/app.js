@@ -138,12 +138,19 @@ function drawTiers(tiers, live) {
       return row;
     }),
   );
+  // The form's choices follow the tiers by name (one deleted and another made between
+  // two polls leave the count alone). The form is refilled only when its tier is gone:
+  // a poll must not wipe what the operator is typing.
   const select = document.querySelector("#tier-form select");
   const chosen = select.value;
-  if (select.options.length !== tiers.length) {
-    select.replaceChildren(...tiers.map((t) => new Option(t.name, t.name)));
-    if (chosen) select.value = chosen;
-    fillForm();
+  const names = tiers.map((t) => t.name);
+  if (names.join("\n") !== Array.from(select.options, (o) => o.value).join("\n")) {
+    select.replaceChildren(...names.map((name) => new Option(name, name)));
+    if (names.includes(chosen)) {
+      select.value = chosen;
+    } else {
+      fillForm();
+    }
   }
 }
 
