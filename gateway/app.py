@@ -216,14 +216,15 @@ async def _build_router(
         jobs = JobClient(queue.backend, poll_ms=RESULT_POLL_MS)
     stack.push_async_callback(jobs.aclose)
     usage.on_written = jobs.settle
-    if queue.is_shared:  # gateways of a fleet bill for those of them that died
+    fleet_releases = None
+    if queue.is_shared:
+        # The gateways of a fleet bill for those of them that died, and a tenant's
+        # requests stream through all of them.
         recovery = UsageRecovery(
             queue.backend, jobs.gateway_id, usage, sessionmaker, model=model.model_name
         )
         recovery.start()
         stack.push_async_callback(recovery.aclose)
-    fleet_releases = None
-    if queue.is_shared:  # a tenant's requests stream through every gateway
         fleet_releases = FleetReleases(queue.limiter, queue.backend, lambda: jobs.stop_hazard.curve)
     admission = Admission(
         queue.limiter, jobs, on_unknown_tier=sync.push_tiers, fleet_releases=fleet_releases

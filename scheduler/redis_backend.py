@@ -435,7 +435,8 @@ class RedisBackend:
         if not claimed:
             return []
         # What each served is what its result stream holds, as its client would have read
-        # it: a claimed job is billed by this reply, whatever happens to this process.
+        # it. Claimed, a job is this process's to bill: should Redis stop between the
+        # claim and this read, it goes unbilled.
         with unavailable_as_error():
             async with self._redis.pipeline(transaction=False) as pipe:
                 for job_id, *_ in claimed:

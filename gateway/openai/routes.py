@@ -349,6 +349,8 @@ class OpenAIRoutes:
                 streams.append(await enqueue(job))
         except BaseException:
             self._cancel_soon([stream.job.job_id for stream in streams])
+            # Queued, they are the request's: its record (a refusal) settles them.
+            exchange.streams = streams
             raise
         exchange.streams = streams
 
