@@ -232,21 +232,27 @@ class RedisBackend:
         with unavailable_as_error():
             # A tier no longer configured and with nothing queued is forgotten, as in
             # MemoryBackend._configure (its keys would otherwise stay forever). Every
-            # tier that ever dispatched has a `floor` field: one removed while jobs were
-            # queued is found there once they have gone.
+            # tier that ever dispatched has a `floor` field, by which one removed while
+            # its jobs were queued or running is found again: the charges of those still
+            # running make its counters anew, which the next call deletes, and the field
+            # goes once a call finds nothing of the tier left.
             configured = {t.name for t in tiers}
             depth = await self._redis.hgetall(k.depth)
             known = {*await self._redis.hkeys(k.tiers), *await self._redis.hkeys(k.floor)}
             gone = sorted(n for n in known - configured if int(depth.get(n, 0)) == 0)
+            state = [
+                (k.counters(n), k.share(n), k.queued_prefill(n), k.queued_decode(n)) for n in gone
+            ]
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for names in state:
+                    pipe.exists(*names)
+                left = await pipe.execute()
             async with self._redis.pipeline(transaction=True) as pipe:
-                for name in gone:
-                    pipe.delete(
-                        k.counters(name),
-                        k.share(name),
-                        k.queued_prefill(name),
-                        k.queued_decode(name),
-                    )
-                    pipe.hdel(k.floor, name)
+                for name, names, num_left in zip(gone, state, left, strict=True):
+                    if num_left:
+                        pipe.delete(*names)
+                    else:
+                        pipe.hdel(k.floor, name)
                 pipe.delete(self._keys.tiers, self._keys.tier_policy)
                 if tiers:
                     pipe.hset(

@@ -223,7 +223,9 @@ def test_dashboard_shows_live_data_and_edits_a_tier(
             "(() => { const f = document.getElementById('tier-form');"
             " f.elements.name.value = 'interactive';"
             " f.elements.name.dispatchEvent(new Event('change'));"
-            " f.elements.ttft_slo_ms.value = '0.001'; f.elements.max_concurrency.value = '7';"
+            " for (const [k, v] of [['ttft_slo_ms', '0.001'], ['max_concurrency', '7']]) {"
+            "   f.elements[k].value = v;"
+            "   f.elements[k].dispatchEvent(new Event('input', {bubbles: true})); }"
             " f.requestSubmit(); })()"
         )
         status = browser.wait_for(
@@ -276,11 +278,13 @@ def test_the_tier_form_follows_other_admins_without_losing_an_edit(
         "(() => { const f = document.getElementById('tier-form');"
         " f.elements.name.value = 'batch';"
         " f.elements.name.dispatchEvent(new Event('change'));"
-        " f.elements.rpm.value = '55'; })()"
+        " f.elements.rpm.value = '55';"
+        " f.elements.rpm.dispatchEvent(new Event('input', {bubbles: true})); })()"
     )
     choices = "[...document.querySelector('#tier-form select').options].map(o => o.value)"
     typed = "document.getElementById('tier-form').elements.rpm.value"
     with live_server.admin() as admin:
+        before = admin.get("/tiers/batch").json()
         try:
             # Another admin adds a tier: it is offered, and the typing is left alone.
             admin.post("/tiers", json={"name": "ui-a", "rank": 8}).raise_for_status()
@@ -295,9 +299,24 @@ def test_the_tier_form_follows_other_admins_without_losing_an_edit(
             assert browser.evaluate("document.querySelector('#tier-form select').value") == (
                 "batch"
             )
+            # Another admin changes the tier's TPM meanwhile; the operator's save sends
+            # only the RPM it typed, and leaves the TPM as the other admin set it.
+            admin.patch("/tiers/batch", json={"tpm": 12345}).raise_for_status()
+            browser.wait_for(
+                "document.querySelector('#tiers-table tr[data-tier=batch]').children[8]"
+                ".textContent === '12345'"
+            )
+            browser.evaluate("document.getElementById('tier-form').requestSubmit()")
+            browser.wait_for("document.getElementById('tier-status').textContent === 'saved batch'")
+            saved = admin.get("/tiers/batch").json()
+            assert (saved["rpm"], saved["tpm"]) == (55, 12345)
+            # Untouched, the form follows the tier as others change it.
+            admin.patch("/tiers/batch", json={"tpm": 777}).raise_for_status()
+            browser.wait_for("document.getElementById('tier-form').elements.tpm.value === '777'")
         finally:
             admin.delete("/tiers/ui-a")
             admin.delete("/tiers/ui-b")
+            admin.patch("/tiers/batch", json={"rpm": before["rpm"], "tpm": before["tpm"]})
 
 
 def _requests_total(tier: str) -> str:

@@ -372,6 +372,22 @@ async def test_a_removed_tier_is_forgotten_once_nothing_is_queued_in_it(
     if isinstance(backend, RedisBackend):  # nothing of it is left behind
         names = [n async for n in redis_client.scan_iter(match=keys.pattern())]
         assert [n for n in names if "temp" in n] == []
+    # Removed while a job of it runs: that job's charges count it anew, and the next
+    # change of the tiers forgets it again.
+    await backend.configure_tiers([*TIERS, temp])
+    await backend.enqueue(make_job("d", "temp", job_id="d-1"))
+    assert (await backend.dispatch("w1", LEASE_MS)).job_id == "d-1"
+    await backend.configure_tiers(list(TIERS))
+    assert await backend.charge("d-1", output_tokens=5)
+    await backend.complete("d-1", worker_id="w1")
+    assert set(await backend.counters("temp")) == {"d"}
+    for _ in range(2):  # the first forgets its counters, the second its last trace
+        await backend.configure_tiers(list(TIERS))
+        assert await backend.counters("temp") == {}
+    if isinstance(backend, RedisBackend):
+        names = [n async for n in redis_client.scan_iter(match=keys.pattern())]
+        assert [n for n in names if "temp" in n] == []
+        assert "temp" not in await redis_client.hkeys(keys.floor)
     # Made again under its name, it starts afresh: its first tenant is not behind.
     await backend.configure_tiers([*TIERS, temp])
     await backend.enqueue(make_job("c", "temp", job_id="c-1"))

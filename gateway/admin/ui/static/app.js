@@ -8,7 +8,8 @@ const REFRESH_MS = 1000;
 const HISTORY = 120; // queue-depth points kept in the page
 const COLORS = ["#3366cc", "#dc3912", "#ff9900", "#109618", "#990099", "#0099c6", "#dd4477"];
 const SVG = "http://www.w3.org/2000/svg";
-const state = { token: null, depthHistory: [], live: null, tiers: [], queues: null };
+// `edited`: the tier form's fields the operator changed since it was last filled.
+const state = { token: null, depthHistory: [], live: null, tiers: [], queues: null, edited: new Set() };
 window.tiergate = state; // for operators poking at the console (and the browser test)
 
 function takeToken() {
@@ -139,19 +140,16 @@ function drawTiers(tiers, live) {
     }),
   );
   // The form's choices follow the tiers by name (one deleted and another made between
-  // two polls leave the count alone). The form is refilled only when its tier is gone:
-  // a poll must not wipe what the operator is typing.
+  // two polls leave the count alone). Untouched, the form follows its tier as other
+  // admins change it; a poll never wipes what the operator is typing.
   const select = document.querySelector("#tier-form select");
   const chosen = select.value;
   const names = tiers.map((t) => t.name);
   if (names.join("\n") !== Array.from(select.options, (o) => o.value).join("\n")) {
     select.replaceChildren(...names.map((name) => new Option(name, name)));
-    if (names.includes(chosen)) {
-      select.value = chosen;
-    } else {
-      fillForm();
-    }
+    if (names.includes(chosen)) select.value = chosen;
   }
+  if (!names.includes(chosen) || state.edited.size === 0) fillForm();
 }
 
 function fixed(digits) {
@@ -190,6 +188,7 @@ function drawWorkers(workers) {
 function fillForm() {
   const form = document.getElementById("tier-form");
   const tier = state.tiers.find((t) => t.name === form.elements.name.value);
+  state.edited.clear();
   if (!tier) return;
   for (const field of TIER_FIELDS) form.elements[field].value = tier[field] ?? "";
 }
@@ -198,8 +197,9 @@ async function saveTier(event) {
   event.preventDefault();
   const form = event.target;
   const status = document.getElementById("tier-status");
+  // Only what the operator changed: a field another admin changed meanwhile is theirs.
   const body = {};
-  for (const field of TIER_FIELDS) {
+  for (const field of TIER_FIELDS.filter((f) => state.edited.has(f))) {
     const raw = form.elements[field].value.trim();
     body[field] = raw === "" ? (field === "rank" || field === "min_share" ? undefined : null) : Number(raw);
   }
@@ -210,6 +210,7 @@ async function saveTier(event) {
     });
     status.textContent = `saved ${tier.name}`;
     status.className = "";
+    state.edited.clear();
     await refresh();
   } catch (error) {
     status.textContent = `not saved: ${error.message}`;
@@ -257,6 +258,9 @@ function start() {
 document.addEventListener("DOMContentLoaded", () => {
   document.getElementById("tier-form").addEventListener("submit", saveTier);
   document.querySelector("#tier-form select").addEventListener("change", fillForm);
+  document.getElementById("tier-form").addEventListener("input", (event) => {
+    if (TIER_FIELDS.includes(event.target.name)) state.edited.add(event.target.name);
+  });
   document.getElementById("login").addEventListener("submit", (event) => {
     event.preventDefault();
     sessionStorage.setItem("tiergate-admin-token", document.getElementById("token").value);
