@@ -278,6 +278,11 @@ _DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "guided_choice": (),
     "guided_grammar": (),
     "structured_outputs": (),
+    # The same under TGI's and llama.cpp's names (a GBNF grammar string is empty there
+    # when unset; an empty JSON schema means "any JSON value").
+    "grammar": ("",),
+    "grammar_string": ("",),
+    "json_schema": (),
     # vLLM's sampling knobs at their no-op values.
     "length_penalty": (1, 1.0),
     "bad_words": ([],),
@@ -300,6 +305,26 @@ _DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "no_repeat_ngram_size": (0,),
     "repetition_penalty_range": (0,),
     "bad_words_ids": ([],),
+    "repeat_penalty": (1, 1.0),
+    "rep_pen": (1, 1.0),
+    "encoder_repetition_penalty": (1, 1.0),
+    "typical": (1, 1.0),
+    "dynatemp_range": (0, 0.0),
+    "top_n_sigma": (-1, -1.0),
+    "penalty_alpha": (0, 0.0),
+    "guidance_scale": (1, 1.0),
+    "negative_prompt": ("",),
+    "ban_eos_token": (False,),
+    "custom_token_bans": ("",),
+    "num_beams": (1,),
+    "do_sample": (True,),  # false is greedy there: here temperature 0 says so
+    "watermark": (False,),
+    # Their output switches.
+    "n_probs": (0,),
+    "top_n_tokens": (0,),
+    "details": (False,),
+    "decoder_input_details": (False,),
+    "return_full_text": (False,),
     # vLLM's output switches, at the behaviour this server has.
     "skip_special_tokens": (True,),
     "include_stop_str_in_output": (False,),
