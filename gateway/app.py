@@ -216,6 +216,7 @@ async def _build_router(
         jobs = JobClient(queue.backend, poll_ms=RESULT_POLL_MS)
     stack.push_async_callback(jobs.aclose)
     usage.on_written = jobs.settle
+    usage.claimed_elsewhere = jobs.claimed_elsewhere
     fleet_releases = None
     if queue.is_shared:
         # The gateways of a fleet bill for those of them that died, and a tenant's

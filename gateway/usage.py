@@ -19,7 +19,7 @@ import contextlib
 import logging
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, fields, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -406,11 +406,15 @@ class UsageWriter:
         max_batch: int = 500,
         max_buffered: int = 100_000,
         on_written: Callable[[list[str]], None] | None = None,
+        claimed_elsewhere: Callable[[list[str]], Awaitable[set[str]]] | None = None,
     ) -> None:
         """`on_written` is given the job ids of each batch of records once it is
-        written (UsageRecord.job_ids); it must not block or raise."""
+        written (UsageRecord.job_ids); it must not block or raise. Before a batch is
+        written, `claimed_elsewhere` says which of its jobs another gateway has billed
+        (gateway.usage_recovery): the records of those are left out."""
         self._sessionmaker = sessionmaker
         self.on_written = on_written
+        self.claimed_elsewhere = claimed_elsewhere
         self._flush_interval_s = flush_interval_s
         self._max_batch = max_batch
         self._buffer: deque[UsageRecord] = deque(maxlen=max_buffered)
@@ -422,6 +426,7 @@ class UsageWriter:
         self._num_failed_flushes = 0  # consecutive; logs the first in full, then a line
         self.num_written = 0
         self.num_dropped = 0
+        self.num_billed_elsewhere = 0  # left out: another gateway billed them (_unclaimed)
 
     def count_written_elsewhere(self, num_records: int = 1) -> None:
         """Count records written in another transaction (a Batch API line's, with its
@@ -478,8 +483,9 @@ class UsageWriter:
                 return True
             self._num_in_flight = len(batch)
             try:
+                written = await self._unclaimed(batch)
                 async with self._sessionmaker() as session, session.begin():
-                    await write_usage(session, batch)
+                    await write_usage(session, written)
             except Exception as exc:
                 self._num_failed_flushes += 1
                 if self._num_failed_flushes == 1:
@@ -495,11 +501,28 @@ class UsageWriter:
             finally:
                 self._num_in_flight = 0
             self._num_failed_flushes = 0
-            self.num_written += len(batch)
+            self.num_written += len(written)
+            if num_left_out := len(batch) - len(written):
+                self.num_billed_elsewhere += num_left_out
+                log.warning(
+                    "%d usage records left out: another gateway billed them while this "
+                    "one did not answer",
+                    num_left_out,
+                )
             job_ids = [job_id for rec in batch for job_id in rec.job_ids]
             if job_ids and self.on_written is not None:
                 self.on_written(job_ids)
             return True
+
+    async def _unclaimed(self, batch: list[UsageRecord]) -> list[UsageRecord]:
+        """The batch less the records another gateway has billed already."""
+        job_ids = [job_id for rec in batch for job_id in rec.job_ids]
+        if not job_ids or self.claimed_elsewhere is None:
+            return batch
+        claimed = await self.claimed_elsewhere(job_ids)
+        if not claimed:
+            return batch
+        return [rec for rec in batch if claimed.isdisjoint(rec.job_ids)]
 
     async def _run(self) -> None:
         while not self._is_closing:

@@ -453,6 +453,11 @@ class QueueBackend(Protocol):
         in-memory queue lives in its gateway's process)."""
         ...
 
+    async def claimed_elsewhere(self, job_ids: Sequence[str]) -> set[str]:
+        """Those of `job_ids` that claim_unbilled gave another gateway to bill (their
+        own gateway looked gone that long, and was only unresponsive)."""
+        ...
+
     async def dispatch(self, worker_id: str, lease_ms: int) -> Job | None:
         """Lease the job the policy picks (None when nothing is queued).
 

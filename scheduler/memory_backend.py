@@ -529,6 +529,9 @@ class MemoryBackend:
     async def claim_unbilled(self, gateway_id: str, limit: int = 100) -> list[UnbilledJob]:
         return []  # every gateway of this queue is this process
 
+    async def claimed_elsewhere(self, job_ids: Sequence[str]) -> set[str]:
+        return set()  # nothing is ever claimed (see claim_unbilled)
+
     async def cancel(self, job_id: str) -> bool:
         entry = self._entries.get(job_id)
         if entry is None or entry.status not in (JobStatus.QUEUED, JobStatus.LEASED):

@@ -455,6 +455,14 @@ class RedisBackend:
             )
         ]
 
+    async def claimed_elsewhere(self, job_ids: Sequence[str]) -> set[str]:
+        with unavailable_as_error():
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for job_id in job_ids:
+                    pipe.hexists(self._keys.job(job_id), "bl")
+                marks = await pipe.execute()
+        return {job_id for job_id, marked in zip(job_ids, marks, strict=True) if marked}
+
     async def cancel(self, job_id: str) -> bool:
         return bool(await self._run("cancel", self._clock_ms(), job_id, self._finished_ttl_ms))
 

@@ -505,6 +505,18 @@ class JobClient:
         except Exception:
             log.exception("request %s: could not cancel its job", job_id)
 
+    async def claimed_elsewhere(self, job_ids: list[str]) -> set[str]:
+        """Those of these jobs (about to be billed) that another gateway has billed:
+        this one looked gone long enough (stopped, or cut off from Redis) for it to
+        claim them (QueueBackend.claim_unbilled). The presence is renewed first, so
+        that no claim can start after this answer while the caller writes its records.
+        A queue that cannot be reached claims nothing meanwhile: none then."""
+        try:
+            await self._publish_presence()
+            return await self._backend.claimed_elsewhere(job_ids)
+        except BackendUnavailableError:
+            return set()
+
     def settle(self, job_ids: Iterable[str]) -> None:
         """These jobs' usage is written: the queue is told at the next round (see
         QueueBackend.settle). Never blocks and never raises."""

@@ -3,7 +3,8 @@
 -- checks). A job of theirs that never left the queue served nothing and is dropped
 -- unbilled; one still queued after a lease, or leased, is left for a later call (it is
 -- abandoned soon: owner_gone in _lib.lua). A gone gateway with nothing left to settle
--- leaves `billing`.
+-- leaves `billing`. A claimed job is marked (`bl` in its hash): a gateway that was only
+-- unresponsive for that long finds it so before writing its own record (claimed_elsewhere).
 -- KEYS: none; every key derives from the prefix in ARGV[1] (scheduler/keys.py).
 -- ARGV: 1 prefix, 2 now_ms, 3 the caller's gateway id (never its own jobs), 4 how long
 --       a gateway must have been gone (ms), 5 most jobs to claim
@@ -22,6 +23,7 @@ for _, gateway in ipairs(redis.call('SMEMBERS', K.billing)) do
       if not (served and running) then
         redis.call('SREM', set, id)
         if served then
+          redis.call('HSET', K.job .. id, 'bl', 1)
           for _, v in ipairs({id, h[3], h[4], h[1], h[5] or '0'}) do out[#out + 1] = v end
         end
       end

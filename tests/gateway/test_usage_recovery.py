@@ -28,6 +28,7 @@ from scheduler.job import Job
 from scheduler.keys import KeySpace
 from scheduler.policy import TierConfig
 from scheduler.redis_backend import RedisBackend
+from scheduler.results import JobClient
 from tests.conftest import REDIS_URL
 
 BILL_GRACE_MS = 15_000
@@ -100,18 +101,10 @@ async def _dead_gateway_served(backend: RedisBackend, clock: Clock) -> None:
         assert not await backend.renew("w1", job_id, LEASE_MS)
 
 
-async def _rows(sessionmaker) -> dict[str, UsageRow]:
-    async with sessionmaker() as session:
-        rows = (await session.scalars(select(UsageRow))).all()
-    return {row.request_id: row for row in rows}
-
-
-async def test_the_requests_of_a_dead_gateway_are_billed_once(queue, db_sessionmaker) -> None:
-    backend, clock = queue
-    await _dead_gateway_served(backend, clock)
-    # The dead gateway wrote cmpl-c's record before it died (but never settled it).
-    written = UsageRecord(
-        request_id="cmpl-c",
+def _own_record(request_id: str, job_ids: tuple[str, ...] = ()) -> UsageRecord:
+    """A record as the gateway that queued the request writes it."""
+    return UsageRecord(
+        request_id=request_id,
         tenant_id="t1",
         tier="interactive",
         model=MODEL,
@@ -122,9 +115,24 @@ async def test_the_requests_of_a_dead_gateway_are_billed_once(queue, db_sessionm
         e2e_ms=9.0,
         outcome="ok",
         created_at=datetime.now(UTC),
+        job_ids=job_ids,
     )
+
+
+async def _rows(sessionmaker) -> dict[str, UsageRow]:
+    async with sessionmaker() as session:
+        rows = (await session.scalars(select(UsageRow))).all()
+    by_request = {row.request_id: row for row in rows}
+    assert len(by_request) == len(rows), "a request billed twice"
+    return by_request
+
+
+async def test_the_requests_of_a_dead_gateway_are_billed_once(queue, db_sessionmaker) -> None:
+    backend, clock = queue
+    await _dead_gateway_served(backend, clock)
+    # The dead gateway wrote cmpl-c's record before it died (but never settled it).
     async with db_sessionmaker() as session, session.begin():
-        await write_usage(session, [written])
+        await write_usage(session, [_own_record("cmpl-c")])
 
     usage = UsageWriter(db_sessionmaker)
     recovery = UsageRecovery(backend, "gw-alive", usage, db_sessionmaker, model=MODEL)
@@ -165,6 +173,38 @@ async def test_the_requests_of_a_dead_gateway_are_billed_once(queue, db_sessionm
         0,
         None,
     )
+
+
+async def test_a_gateway_that_was_only_stopped_leaves_out_what_another_billed(
+    queue, db_sessionmaker
+) -> None:
+    backend, clock = queue
+    await _dead_gateway_served(backend, clock)
+    survivor = UsageWriter(db_sessionmaker)
+    recovery = UsageRecovery(backend, "gw-alive", survivor, db_sessionmaker, model=MODEL)
+    assert await recovery.run_once() == 5
+    assert await survivor.flush()
+    # The "dead" gateway was only stopped (SIGSTOP, a long pause): back, it writes the
+    # records of its requests as they ended for its clients.
+    back = JobClient(backend, gateway_id="gw-dead")
+    settled: list[str] = []
+    usage = UsageWriter(
+        db_sessionmaker, on_written=settled.extend, claimed_elsewhere=back.claimed_elsewhere
+    )
+    usage.record(_own_record("chatcmpl-a", ("chatcmpl-a", "chatcmpl-a.1")))
+    usage.record(_own_record("cmpl-e", ("cmpl-e",)))  # never left the queue: not claimed
+    try:
+        assert await usage.flush()
+    finally:
+        await back.aclose()
+    rows = await _rows(db_sessionmaker)
+    # Billed once each: chatcmpl-a by the survivor (what its streams held), cmpl-e by its
+    # own gateway; all three jobs are settled.
+    assert (usage.num_written, usage.num_billed_elsewhere) == (1, 1)
+    assert (rows["chatcmpl-a"].completion_tokens, rows["cmpl-e"].completion_tokens) == (6, 1)
+    assert sorted(settled) == ["chatcmpl-a", "chatcmpl-a.1", "cmpl-e"]
+    # Its presence was renewed before it wrote: no claim can start meanwhile.
+    assert await backend.claim_unbilled("gw-alive") == []
 
 
 async def test_claims_wait_for_a_database_that_cannot_answer(queue, tmp_path: Path) -> None:
