@@ -144,10 +144,10 @@ class Admission:
         capacity_max_age_ms: float = CAPACITY_MAX_AGE_MS,
         hold_ms: int = HOLD_MS,
         renew_every_s: float = RENEW_EVERY_S,
-        fleet_releases: FleetReleases | None = None,
+        fleet_wide_waits: bool = False,
     ) -> None:
-        """`fleet_releases`: where the tenant's requests may stream through other
-        gateways too (a Redis fleet), the waits at its concurrency cap count them all."""
+        """`fleet_wide_waits`: the tenant's requests may stream through other gateways
+        too (a Redis fleet): the waits at its concurrency cap count them all."""
         if not 0 < renew_every_s * 1000 < hold_ms:
             raise ValueError("reservations must be renewed more often than they lapse")
         self._limiter = limiter
@@ -161,7 +161,15 @@ class Admission:
         self._config = config or AdmissionConfig()
         self._grace_ms = queue_timeout_grace_ms
         self._releases: set[asyncio.Task[None]] = set()
-        self._fleet_releases = fleet_releases
+        self._fleet_releases = None
+        if fleet_wide_waits:
+            self._fleet_releases = FleetReleases(
+                limiter,
+                jobs.backend,
+                stop_curve=lambda: jobs.stop_hazard.curve,
+                fallback_pace_s=jobs.stream_pace_s,
+                fleet_capacity=self._capacity.fleet_capacity,
+            )
 
     @property
     def backend(self) -> QueueBackend:

@@ -32,7 +32,6 @@ from gateway.admin.ui import dashboard_routes
 from gateway.admin.usage_routes import usage_routes
 from gateway.admission import Admission
 from gateway.batches.setup import start_batch_api, upload_limits
-from gateway.concurrency_wait import FleetReleases
 from gateway.config_sync import (
     CONFIG_VERSION_SUFFIX,
     ConfigSync,
@@ -217,18 +216,18 @@ async def _build_router(
     stack.push_async_callback(jobs.aclose)
     usage.on_written = jobs.settle
     usage.claimed_elsewhere = jobs.claimed_elsewhere
-    fleet_releases = None
-    if queue.is_shared:
-        # The gateways of a fleet bill for those of them that died, and a tenant's
-        # requests stream through all of them.
+    if queue.is_shared:  # the gateways of a fleet bill for those of them that died
         recovery = UsageRecovery(
             queue.backend, jobs.gateway_id, usage, sessionmaker, model=model.model_name
         )
         recovery.start()
         stack.push_async_callback(recovery.aclose)
-        fleet_releases = FleetReleases(queue.limiter, queue.backend, lambda: jobs.stop_hazard.curve)
     admission = Admission(
-        queue.limiter, jobs, on_unknown_tier=sync.push_tiers, fleet_releases=fleet_releases
+        queue.limiter,
+        jobs,
+        on_unknown_tier=sync.push_tiers,
+        # A tenant's requests stream through every gateway of a fleet.
+        fleet_wide_waits=queue.is_shared,
     )
     stack.push_async_callback(admission.aclose)
     monitor = QueueMonitor(queue.backend)

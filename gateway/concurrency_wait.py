@@ -3,15 +3,24 @@
 A gateway knows the requests that stream through it (JobClient.tenant_release_s), but
 behind a load balancer a tenant's running requests stream through every gateway, and a
 refusal's Retry-After must count them all: the fallback before this, the fleet's time
-for one request like the refused one, told a client 30 ms while the tenant's running
-request had seconds left (it retried 30 times a second).
+for one request like the refused one, told a client 12 ms while the tenant's running
+request had 2 s left.
 
 The tenant's slots are held in the rate limiter, one per choice, named after the
 request (scheduler.rate_limit.slot_ids); each names its job, whose progress the queue
-knows: its max_tokens and the tokens it has streamed, and when. The k-th release among
-them (scheduler.slot_release, with the stop curve this gateway learned) at the pace
-they stream is the wait. It is read at a refusal only, and kept a moment per tenant: a
-client hammering at its cap costs one read per tenant every CACHE_S.
+knows. A slot frees:
+
+- when its running job ends: the k-th release among them (scheduler.slot_release,
+  with the stop curve this gateway learned) at the pace they stream;
+- when its queued job has waited for one of the fleet's slot releases and then run;
+- when its hold lapses, for a job that has ended but whose slot is still held (its
+  gateway died: nobody releases it before the lapse);
+- a slot whose job is not queued yet (reserved a moment ago) is left out.
+
+The pace is the tenant's jobs' own, from those that have streamed enough tokens for it
+to mean something (the first few steps of a stream run behind prefills); else what
+`fallback_pace_s` says (this gateway's other streams). It is read at a refusal only, and
+kept a moment per tenant: a client hammering at its cap costs one read every CACHE_S.
 """
 
 from __future__ import annotations
@@ -19,17 +28,19 @@ from __future__ import annotations
 import statistics
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from engine.stop_hazard import StopCurve
 from gateway.openai.choices import choice_job_id
-from scheduler.backend import QueueBackend
+from scheduler.backend import FleetCapacity, JobStatus, QueueBackend
+from scheduler.results import MIN_PACE_TOKENS
 from scheduler.slot_release import release_steps
 
 MAX_SLOTS_READ = 64  # a tenant's slots read at most (its limit may be in the hundreds)
 CACHE_S = 0.25
 MAX_CACHED_TENANTS = 1_000
+_RUNNING = (JobStatus.QUEUED, JobStatus.LEASED)
 
 
 def slot_job_id(slot_id: str) -> str:
@@ -40,30 +51,39 @@ def slot_job_id(slot_id: str) -> str:
 
 
 class FleetReleases:
-    """Seconds until the tenant's running requests, wherever they stream, free slots."""
+    """Seconds until the tenant's held slots, wherever its requests stream, free."""
 
     def __init__(
         self,
         limiter: Any,  # MemoryRateLimiter or RedisRateLimiter
         backend: QueueBackend,
+        *,
         stop_curve: Callable[[], StopCurve | None],
+        fallback_pace_s: Callable[[], float | None],
+        fleet_capacity: Callable[[], Awaitable[FleetCapacity]],
+        clock_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000,
+        cache_s: float = CACHE_S,
     ) -> None:
         self._limiter = limiter
         self._backend = backend
         self._stop_curve = stop_curve
+        self._fallback_pace_s = fallback_pace_s
+        self._fleet_capacity = fleet_capacity
+        self._clock_ms = clock_ms
+        self._cache_s = cache_s
         # (tenant, slots) -> (monotonic expiry, seconds or None); LRU order.
         self._cache: OrderedDict[tuple[str, int], tuple[float, float | None]] = OrderedDict()
 
     async def release_s(self, tenant_id: str, num_slots: int) -> float | None:
         """When `num_slots` of the tenant's held slots are expected to have freed; None
-        when none of its jobs has streamed two tokens yet (no pace to go by)."""
+        when nothing says (no held slot names a job, or no pace is known)."""
         key = (tenant_id, max(num_slots, 1))
         now = time.monotonic()
         cached = self._cache.get(key)
         if cached is not None and cached[0] > now:
             return cached[1]
         seconds = await self._estimate(tenant_id, key[1])
-        self._cache[key] = (now + CACHE_S, seconds)
+        self._cache[key] = (now + self._cache_s, seconds)
         self._cache.move_to_end(key)
         while len(self._cache) > MAX_CACHED_TENANTS:
             self._cache.popitem(last=False)
@@ -71,16 +91,35 @@ class FleetReleases:
 
     async def _estimate(self, tenant_id: str, num_slots: int) -> float | None:
         slots = (await self._limiter.inflight_slots(tenant_id))[:MAX_SLOTS_READ]
-        progress = await self._backend.job_progress([slot_job_id(s) for s in slots])
-        running, paces = [], []
+        lapses = {slot_job_id(slot): until for slot, until in slots}
+        progress = await self._backend.job_progress(list(lapses))
+        now_ms = self._clock_ms()
+        releases: list[float] = []  # seconds
+        leased, queued, paces = [], [], []
         for job in progress:
             made = job.num_tokens
-            # A queued one frees its slot after its whole run at least.
-            running.append((job.max_tokens - made, made, True))
+            if job.status not in _RUNNING:
+                releases.append(max(0.0, (lapses[job.job_id] - now_ms) / 1000.0))
+            elif job.status is JobStatus.QUEUED:
+                queued.append(job.max_tokens - made)
+            else:
+                leased.append((job.max_tokens - made, made, True))
             first, last = job.first_token_ms, job.last_token_ms
-            if made >= 2 and first is not None and last is not None and last > first:
+            if made >= MIN_PACE_TOKENS and first is not None and last is not None:
                 paces.append((last - first) / 1000.0 / (made - 1))
-        if not running or not paces:
+        if leased or queued:
+            pace = statistics.median(paces) if paces else self._fallback_pace_s()
+            if pace is None:
+                return None
+            steps = release_steps(leased, self._stop_curve(), limit=num_slots)
+            releases += [step * pace for step in steps]
+            if queued:
+                # Each waits for one of the fleet's next slot releases, then runs.
+                waits = (await self._fleet_capacity()).release_ms or ()
+                for i, left in enumerate(sorted(queued)):
+                    wait_s = waits[min(i, len(waits) - 1)] / 1000.0 if waits else 0.0
+                    releases.append(wait_s + left * pace)
+        if not releases:
             return None
-        steps = release_steps(running, self._stop_curve(), limit=num_slots)
-        return steps[-1] * statistics.median(paces)
+        releases.sort()
+        return releases[min(num_slots, len(releases)) - 1]

@@ -154,11 +154,11 @@ class UnbilledJob:
 
 @dataclass(frozen=True)
 class JobProgress:
-    """How far a queued or leased job has run, from its result stream (times are epoch
-    ms by the queue's clock; None before its first token)."""
+    """How far a job has run, from its result stream (times are epoch ms by the queue's
+    clock; None before its first token)."""
 
     job_id: str
-    is_leased: bool  # False: still queued
+    status: JobStatus
     max_tokens: int
     num_tokens: int  # streamed so far
     first_token_ms: int | None
@@ -514,7 +514,8 @@ class QueueBackend(Protocol):
     async def job_status(self, job_id: str) -> JobStatus | None: ...
 
     async def job_progress(self, job_ids: Sequence[str]) -> list[JobProgress]:
-        """The progress of those of `job_ids` still queued or leased, in order."""
+        """The progress of those of `job_ids` the queue knows (queued, leased or ended
+        within its finished TTL), in order."""
         ...
 
     async def depth(self) -> dict[str, TierDepth]: ...

@@ -176,12 +176,13 @@ class MemoryBackend:
         self._tier_configs: dict[str, TierConfig] = {}
         self._tiers: dict[str, _Tier] = {}
         self._entries: dict[str, _Entry] = {}  # queued and leased jobs
-        # Finished jobs, kept finished_ttl_ms for job_status, duplicate ids and late
-        # charges: (status, tier, tenant, weight), plain strings and a number. At a few
-        # hundred requests a second an hour of them is a million entries: as tuples of
-        # atomic values the garbage collector stops tracking them, while the queue's
-        # entries (three objects a job) made every full collection walk them all.
-        self._finished: dict[str, tuple[str, str, str, float]] = {}
+        # Finished jobs, kept finished_ttl_ms for job_status, duplicate ids, late charges
+        # and job_progress: (status, tier, tenant, weight, max_tokens), plain strings and
+        # numbers. At a few hundred requests a second an hour of them is a million
+        # entries: as tuples of atomic values the garbage collector stops tracking them,
+        # while the queue's entries (three objects a job) made every full collection walk
+        # them all.
+        self._finished: dict[str, tuple[str, str, str, float, int]] = {}
         self._streams: dict[str, _Stream] = {}
         # Each tenant's current weight, which every charge divides by, and its queued and
         # leased jobs: the weight goes with the last of them (the `weights` and
@@ -455,7 +456,7 @@ class MemoryBackend:
             job = entry.job
             tier_name, tenant_id, weight = job.tier, job.tenant_id, job.weight
         elif job_id in self._finished:  # a late charge of a finished job still counts
-            _, tier_name, tenant_id, weight = self._finished[job_id]
+            _, tier_name, tenant_id, weight, _ = self._finished[job_id]
         else:
             return False
         self._charge(tier_name, tenant_id, weight, input_tokens, output_tokens, self._clock_ms())
@@ -553,14 +554,19 @@ class MemoryBackend:
         out = []
         for job_id in job_ids:
             entry = self._entries.get(job_id)
-            if entry is None or entry.status not in (JobStatus.QUEUED, JobStatus.LEASED):
+            if entry is not None:
+                status, max_tokens = entry.status, entry.job.params.max_tokens
+            elif job_id in self._finished:
+                done = self._finished[job_id]
+                status, max_tokens = JobStatus(done[0]), done[4]
+            else:
                 continue
             stream = self._streams.get(job_id) or _Stream(self._clock_ms)
             out.append(
                 JobProgress(
                     job_id,
-                    is_leased=entry.status is JobStatus.LEASED,
-                    max_tokens=entry.job.params.max_tokens,
+                    status,
+                    max_tokens=max_tokens,
                     num_tokens=stream.num_tokens,
                     first_token_ms=stream.first_token_ms,
                     last_token_ms=stream.last_token_ms,
@@ -573,7 +579,13 @@ class MemoryBackend:
         job = entry.job
         # The prompt goes with the entry (as the Redis backend empties the job's payload).
         del self._entries[job.job_id]
-        self._finished[job.job_id] = (status.value, job.tier, job.tenant_id, job.weight)
+        self._finished[job.job_id] = (
+            status.value,
+            job.tier,
+            job.tenant_id,
+            job.weight,
+            job.params.max_tokens,
+        )
         num_live = self._num_live_jobs[job.tenant_id] - 1
         if num_live:
             self._num_live_jobs[job.tenant_id] = num_live

@@ -243,12 +243,17 @@ class MemoryRateLimiter:
         status = _status(limits, b.req or 0, b.tok or 0)  # a level is None only unlimited
         return Reservation(rid, tenant_id, num_tokens, limits, status, num_slots)
 
-    async def inflight_slots(self, tenant_id: str) -> list[str]:
+    async def inflight_slots(self, tenant_id: str) -> list[tuple[str, int]]:
         """The tenant's concurrency slots held now (Reservation.slot_ids of its running
-        requests), in no particular order."""
+        requests), each with the ms its hold lapses at unless renewed, in no particular
+        order."""
         now = self._clock_ms()
         b = self._buckets.get(tenant_id)
-        return [] if b is None else [slot for slot, until in b.inflight.items() if until > now]
+        return (
+            []
+            if b is None
+            else [(slot, until) for slot, until in b.inflight.items() if until > now]
+        )
 
     async def renew(self, reservations: Sequence[Reservation], hold_ms: int) -> int:
         """Hold the slots of `reservations` for `hold_ms` from now; how many were still
@@ -310,14 +315,13 @@ class RedisRateLimiter:
         )
         self._renew = client.register_script(load_script_source("rate_renew", with_queue_lib=False))
 
-    async def inflight_slots(self, tenant_id: str) -> list[str]:
+    async def inflight_slots(self, tenant_id: str) -> list[tuple[str, int]]:
         """As MemoryRateLimiter.inflight_slots."""
         with unavailable_as_error():
-            return list(
-                await self._redis.zrangebyscore(
-                    self._keys.rate_inflight(tenant_id), f"({self._clock_ms()}", "+inf"
-                )
+            held = await self._redis.zrangebyscore(
+                self._keys.rate_inflight(tenant_id), f"({self._clock_ms()}", "+inf", withscores=True
             )
+        return [(slot, int(until)) for slot, until in held]
 
     async def renew(self, reservations: Sequence[Reservation], hold_ms: int) -> int:
         """As MemoryRateLimiter.renew, in one script call (rate_renew.lua)."""

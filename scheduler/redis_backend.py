@@ -486,14 +486,15 @@ class RedisBackend:
         out = []
         for i, job_id in enumerate(job_ids):
             (status, max_tokens), num_entries, first, last = replies[4 * i : 4 * i + 4]
-            if status not in (JobStatus.QUEUED, JobStatus.LEASED):
+            if status is None:
                 continue
+            ended = status not in (JobStatus.QUEUED, JobStatus.LEASED)
             out.append(
                 JobProgress(
                     job_id,
-                    is_leased=status == JobStatus.LEASED,
+                    JobStatus(status),
                     max_tokens=int(max_tokens or 0),
-                    num_tokens=int(num_entries),
+                    num_tokens=int(num_entries) - ended,  # less its done or error event
                     first_token_ms=int(first[0][0].split("-")[0]) if first else None,
                     last_token_ms=int(last[0][0].split("-")[0]) if last else None,
                 )

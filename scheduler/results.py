@@ -291,6 +291,20 @@ class JobStream:
                 return
 
 
+# A stream's pace counts once it has made this many tokens: its first steps run behind
+# prefills, and a pace from two tokens told a wait twenty times too long.
+MIN_PACE_TOKENS = 8
+
+
+def _pace_s(stream: JobStream) -> float | None:
+    """Seconds per token a stream has gone at since its dispatch."""
+    made = stream.num_output_tokens
+    if stream.dispatched_s is None or made < MIN_PACE_TOKENS:
+        return None
+    pace = (stream.last_event_s - stream.dispatched_s) / made
+    return pace if pace > 0 else None
+
+
 class JobClient:
     """Submits jobs to the queue and follows their result channels (the gateway side).
 
@@ -435,13 +449,19 @@ class JobClient:
                 continue
             params = stream.job.params
             running.append((params.max_tokens - made, made, params.can_stop_early))
-            pace = (stream.last_event_s - stream.dispatched_s) / made
-            if pace > 0:  # 0 when its one event is all it has sent (no pace yet)
+            if (pace := _pace_s(stream)) is not None:
                 paces.append(pace)
-        if not running or not paces:
+        pace = statistics.median(paces) if paces else self.stream_pace_s()
+        if not running or pace is None:
             return None
         steps = release_steps(running, self.stop_hazard.curve, limit=max(num_slots, 1))
-        return steps[-1] * statistics.median(paces)
+        return steps[-1] * pace
+
+    def stream_pace_s(self) -> float | None:
+        """Seconds per token of the jobs streaming through this client (the median of
+        those that have streamed enough to tell); None when none has."""
+        paces = [p for s in self._streams.values() if (p := _pace_s(s)) is not None]
+        return statistics.median(paces) if paces else None
 
     async def _enqueue_then_follow(self, job: Job) -> AsyncIterator[ResultEvent]:
         try:

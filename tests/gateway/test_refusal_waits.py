@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import replace
 
 import pytest
 import redis.asyncio as aioredis
@@ -27,10 +28,11 @@ from scheduler.job import Job
 from scheduler.keys import KeySpace
 from scheduler.memory_backend import MemoryBackend
 from scheduler.policy import TierConfig
-from scheduler.rate_limit import MemoryRateLimiter, RedisRateLimiter
+from scheduler.rate_limit import MemoryRateLimiter, RedisRateLimiter, TenantLimits
 from scheduler.redis_backend import RedisBackend
 from scheduler.results import JobClient
 from tests.conftest import REDIS_URL
+from tests.scheduler.conftest import FakeClock
 
 CAP = 2
 
@@ -128,11 +130,7 @@ async def test_the_concurrency_wait_counts_requests_streaming_through_another_ga
     dispatcher = Dispatcher(backend, engine)
     here = Admission(limiter, JobClient(backend, on_enqueue=dispatcher.notify))
     jobs_elsewhere = JobClient(backend)
-    elsewhere = Admission(
-        limiter,
-        jobs_elsewhere,
-        fleet_releases=FleetReleases(limiter, backend, lambda: jobs_elsewhere.stop_hazard.curve),
-    )
+    elsewhere = Admission(limiter, jobs_elsewhere, fleet_wide_waits=True)
     dispatcher.start()
     await dispatcher.publish_capacity()
     try:
@@ -144,6 +142,70 @@ async def test_the_concurrency_wait_counts_requests_streaming_through_another_ga
         await elsewhere.aclose()
         await jobs_elsewhere.aclose()
         await backend.aclose()
+
+
+async def test_each_held_slot_frees_as_its_job_stands() -> None:
+    """A running job at its pace, a queued one after the fleet's next slot release and
+    its run, an ended one whose slot is still held (its gateway died) at the lapse."""
+    clock = FakeClock()
+    tier = _tier("interactive", 1)
+    backend = MemoryBackend([TierConfig(tier.name, tier.rank)], clock_ms=clock)
+    limiter = MemoryRateLimiter(clock_ms=clock)
+    await backend.publish_capacity("w1", **REPORT, release_ms=[2000.0])
+    limits = TenantLimits(max_concurrency=3)
+    for request_id, hold_ms in (("r1", 30_000), ("r2", 30_000), ("r3", 7_000)):
+        await limiter.reserve("ten_a", limits, 10, reservation_id=request_id, hold_ms=hold_ms)
+    jobs = {i: replace(_job(tier, m), job_id=i) for i, m in (("r3", 4), ("r1", 50), ("r2", 40))}
+    for job_id in ("r3", "r1", "r2"):
+        await backend.enqueue(jobs[job_id])
+    await backend.dispatch_many("w1", 60_000, 2)  # r3 and r1 run, r2 waits
+    await backend.complete("r3", worker_id="w1")  # its slot is held on: nobody released it
+    pace = 0.1
+    releases = FleetReleases(
+        limiter,
+        backend,
+        stop_curve=lambda: None,
+        fallback_pace_s=lambda: None,
+        fleet_capacity=backend.fleet_capacity,
+        clock_ms=clock,
+    )
+    for _ in range(20):  # r1 streams 20 of its 50 tokens, one every 0.1 s
+        await backend.publish_step("r1", "w1", [7], queue_wait_ms=1.0)
+        clock.advance(int(pace * 1000))
+    clock.advance(-int(pace * 1000))  # now is its last token
+    # 1.9 s after the reservations and the report: r1 has 30 tokens left at 0.1 s (its
+    # pace over 19 steps); r2 waits for the release the report expected in 2 s, then
+    # runs its 40 tokens; r3's hold lapses 7 s after it was taken.
+    expected = [30 * pace, 2.0 - 1.9 + 40 * pace, 7.0 - 1.9]
+    for num_slots, seconds in enumerate(expected, start=1):
+        assert await releases.release_s("ten_a", num_slots) == pytest.approx(seconds)
+    # Asked for more than it holds: when every one has freed.
+    assert await releases.release_s("ten_a", 5) == pytest.approx(expected[-1])
+
+
+async def test_no_pace_from_a_stream_that_has_only_begun() -> None:
+    clock = FakeClock()
+    tier = _tier("interactive", 1)
+    backend = MemoryBackend([TierConfig(tier.name, tier.rank)], clock_ms=clock)
+    limiter = MemoryRateLimiter(clock_ms=clock)
+    await limiter.reserve("ten_a", TenantLimits(max_concurrency=1), 10, reservation_id="r1")
+    await backend.enqueue(replace(_job(tier, 600), job_id="r1"))
+    await backend.dispatch("w1", 60_000)
+    for _ in range(3):  # three tokens, slow behind prefills: no pace to go by yet
+        await backend.publish_step("r1", "w1", [7], queue_wait_ms=1.0)
+        clock.advance(500)
+    paces = iter([None, 0.05])
+    releases = FleetReleases(
+        limiter,
+        backend,
+        stop_curve=lambda: None,
+        fallback_pace_s=lambda: next(paces),  # this gateway's other streams', if any
+        fleet_capacity=backend.fleet_capacity,
+        clock_ms=clock,
+        cache_s=0.0,
+    )
+    assert await releases.release_s("ten_a", 1) is None
+    assert await releases.release_s("ten_a", 1) == pytest.approx(597 * 0.05)
 
 
 def test_a_slot_names_the_job_of_its_choice() -> None:

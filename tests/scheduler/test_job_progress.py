@@ -1,12 +1,12 @@
-"""How far queued and leased jobs have run (QueueBackend.job_progress): what a gateway
-reads to tell a tenant at its concurrency cap when a slot frees, whichever gateway its
-requests stream through. Both backends, the same answers."""
+"""How far jobs have run (QueueBackend.job_progress): what a gateway reads to tell a
+tenant at its concurrency cap when a slot frees, whichever gateway its requests stream
+through. Both backends, the same answers."""
 
 from __future__ import annotations
 
 import asyncio
 
-from scheduler.backend import JobProgress
+from scheduler.backend import JobProgress, JobStatus
 
 LEASE_MS = 5_000
 
@@ -25,11 +25,12 @@ async def test_progress_of_queued_and_leased_jobs(backend, make_job, clock) -> N
         await asyncio.sleep(0.002)  # the Redis backend's stream ids are Redis's ms
     assert await backend.publish_step("done", "w1", [1], finish_reason="stop")
     progress = await backend.job_progress(["queued", "running", "done", "unknown"])
-    assert [(p.job_id, p.is_leased, p.max_tokens, p.num_tokens) for p in progress] == [
-        ("queued", False, 30, 0),
-        ("running", True, 40, 5),
+    assert [(p.job_id, p.status, p.max_tokens, p.num_tokens) for p in progress] == [
+        ("queued", JobStatus.QUEUED, 30, 0),
+        ("running", JobStatus.LEASED, 40, 5),
+        ("done", JobStatus.DONE, 8, 1),
     ]
-    queued, running = progress
+    queued, running, _ = progress
     assert (queued.first_token_ms, queued.last_token_ms) == (None, None)
     assert running.first_token_ms is not None
     assert running.last_token_ms is not None

@@ -183,9 +183,15 @@ async def test_the_slots_a_tenant_holds_name_its_requests(limiter, clock) -> Non
     limits = TenantLimits(max_concurrency=4)
     held = await limiter.reserve("t", limits, 10, reservation_id="req-a", num_slots=3, hold_ms=1000)
     await limiter.reserve("t", limits, 10, reservation_id="req-b", hold_ms=5000)
-    assert sorted(await limiter.inflight_slots("t")) == ["req-a", "req-a#1", "req-a#2", "req-b"]
+    now = clock()
+    assert sorted(await limiter.inflight_slots("t")) == [
+        ("req-a", now + 1000),
+        ("req-a#1", now + 1000),
+        ("req-a#2", now + 1000),
+        ("req-b", now + 5000),
+    ]
     assert await limiter.inflight_slots("other") == []
     await limiter.release(held, 10)
-    assert await limiter.inflight_slots("t") == ["req-b"]
+    assert await limiter.inflight_slots("t") == [("req-b", now + 5000)]
     clock.advance(5000)  # its hold lapsed (its gateway died)
     assert await limiter.inflight_slots("t") == []
