@@ -168,6 +168,7 @@ class Admission:
                 jobs.backend,
                 stop_curve=lambda: jobs.stop_hazard.curve,
                 fallback_pace_s=jobs.stream_pace_s,
+                service_s=self._decode_s,
                 fleet_capacity=self._capacity.fleet_capacity,
             )
 
@@ -328,15 +329,19 @@ class Admission:
 
     async def _service_s(self, job: Job) -> float | None:
         """The fleet's time for one job like `job` (None if unknown)."""
+        return await self._work_s(job.num_prompt_tokens, job.params.max_tokens)
+
+    async def _decode_s(self, num_tokens: int) -> float | None:
+        """The fleet's time for a job's `num_tokens` output tokens left (None if unknown)."""
+        return await self._work_s(0, num_tokens)
+
+    async def _work_s(self, num_prompt_tokens: int, max_tokens: int) -> float | None:
         try:
             capacity = await self._capacity.fleet_capacity()
         except BackendUnavailableError:
             return None
         service_ms = job_service_ms(
-            capacity,
-            self._config,
-            num_prompt_tokens=job.num_prompt_tokens,
-            max_tokens=job.params.max_tokens,
+            capacity, self._config, num_prompt_tokens=num_prompt_tokens, max_tokens=max_tokens
         )
         return None if service_ms is None else service_ms / 1000.0
 

@@ -19,8 +19,11 @@ knows. A slot frees:
 
 The pace is the tenant's jobs' own, from those that have streamed enough tokens for it
 to mean something (the first few steps of a stream run behind prefills); else what
-`fallback_pace_s` says (this gateway's other streams). It is read at a refusal only, and
-kept a moment per tenant: a client hammering at its cap costs one read every CACHE_S.
+`fallback_pace_s` says (this gateway's other streams); else each job's tokens left take
+the fleet's time for that many (`service_s`, at its measured rates: short of one
+sequence's time on a busy engine, but not the few milliseconds of the refused request).
+It is read at a refusal only, and kept a moment per tenant: a client hammering at its
+cap costs one read every CACHE_S.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class FleetReleases:
         *,
         stop_curve: Callable[[], StopCurve | None],
         fallback_pace_s: Callable[[], float | None],
+        service_s: Callable[[int], Awaitable[float | None]],
         fleet_capacity: Callable[[], Awaitable[FleetCapacity]],
         clock_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000,
         cache_s: float = CACHE_S,
@@ -68,6 +72,7 @@ class FleetReleases:
         self._backend = backend
         self._stop_curve = stop_curve
         self._fallback_pace_s = fallback_pace_s
+        self._service_s = service_s
         self._fleet_capacity = fleet_capacity
         self._clock_ms = clock_ms
         self._cache_s = cache_s
@@ -95,7 +100,9 @@ class FleetReleases:
         progress = await self._backend.job_progress(list(lapses))
         now_ms = self._clock_ms()
         releases: list[float] = []  # seconds
-        leased, queued, paces = [], [], []
+        leased: list[tuple[int, int, bool]] = []  # (tokens left, made, may stop)
+        queued: list[int] = []  # tokens left
+        paces: list[float] = []
         for job in progress:
             made = job.num_tokens
             if job.status not in _RUNNING:
@@ -108,18 +115,37 @@ class FleetReleases:
             if made >= MIN_PACE_TOKENS and first is not None and last is not None:
                 paces.append((last - first) / 1000.0 / (made - 1))
         if leased or queued:
-            pace = statistics.median(paces) if paces else self._fallback_pace_s()
-            if pace is None:
+            runs = await self._runs_s(leased, queued, paces, num_slots)
+            if runs is None:
                 return None
-            steps = release_steps(leased, self._stop_curve(), limit=num_slots)
-            releases += [step * pace for step in steps]
-            if queued:
+            leased_s, queued_s = runs
+            releases += leased_s
+            if queued_s:
                 # Each waits for one of the fleet's next slot releases, then runs.
                 waits = (await self._fleet_capacity()).release_ms or ()
-                for i, left in enumerate(sorted(queued)):
+                for i, run_s in enumerate(sorted(queued_s)):
                     wait_s = waits[min(i, len(waits) - 1)] / 1000.0 if waits else 0.0
-                    releases.append(wait_s + left * pace)
+                    releases.append(wait_s + run_s)
         if not releases:
             return None
         releases.sort()
         return releases[min(num_slots, len(releases)) - 1]
+
+    async def _runs_s(
+        self,
+        leased: list[tuple[int, int, bool]],
+        queued: list[int],
+        paces: list[float],
+        num_slots: int,
+    ) -> tuple[list[float], list[float]] | None:
+        """Seconds until the first `num_slots` leased jobs end, and each queued job's
+        run; None when neither a pace nor the fleet's rates are known."""
+        pace = statistics.median(paces) if paces else self._fallback_pace_s()
+        if pace is not None:
+            steps = release_steps(leased, self._stop_curve(), limit=num_slots)
+            return [step * pace for step in steps], [left * pace for left in queued]
+        times = [await self._service_s(left) for left in [n for n, _, _ in leased] + queued]
+        known = [t for t in times if t is not None]
+        if len(known) < len(times):
+            return None
+        return known[: len(leased)], known[len(leased) :]

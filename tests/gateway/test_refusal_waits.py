@@ -166,6 +166,7 @@ async def test_each_held_slot_frees_as_its_job_stands() -> None:
         backend,
         stop_curve=lambda: None,
         fallback_pace_s=lambda: None,
+        service_s=_no_service_s,
         fleet_capacity=backend.fleet_capacity,
         clock_ms=clock,
     )
@@ -194,18 +195,30 @@ async def test_no_pace_from_a_stream_that_has_only_begun() -> None:
     for _ in range(3):  # three tokens, slow behind prefills: no pace to go by yet
         await backend.publish_step("r1", "w1", [7], queue_wait_ms=1.0)
         clock.advance(500)
-    paces = iter([None, 0.05])
+    paces = iter([0.05, None, None])
+    services = iter([None, 12.0])
+
+    async def service_s(num_tokens: int) -> float | None:
+        assert num_tokens == 597
+        return next(services)
+
     releases = FleetReleases(
         limiter,
         backend,
         stop_curve=lambda: None,
         fallback_pace_s=lambda: next(paces),  # this gateway's other streams', if any
+        service_s=service_s,  # the fleet's time for that many tokens, if it reports
         fleet_capacity=backend.fleet_capacity,
         clock_ms=clock,
         cache_s=0.0,
     )
-    assert await releases.release_s("ten_a", 1) is None
     assert await releases.release_s("ten_a", 1) == pytest.approx(597 * 0.05)
+    assert await releases.release_s("ten_a", 1) is None
+    assert await releases.release_s("ten_a", 1) == pytest.approx(12.0)
+
+
+async def _no_service_s(num_tokens: int) -> float | None:
+    raise AssertionError("a pace was known")
 
 
 def test_a_slot_names_the_job_of_its_choice() -> None:
