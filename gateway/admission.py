@@ -144,10 +144,7 @@ class Admission:
         capacity_max_age_ms: float = CAPACITY_MAX_AGE_MS,
         hold_ms: int = HOLD_MS,
         renew_every_s: float = RENEW_EVERY_S,
-        fleet_wide_waits: bool = False,
     ) -> None:
-        """`fleet_wide_waits`: the tenant's requests may stream through other gateways
-        too (a Redis fleet): the waits at its concurrency cap count them all."""
         if not 0 < renew_every_s * 1000 < hold_ms:
             raise ValueError("reservations must be renewed more often than they lapse")
         self._limiter = limiter
@@ -161,16 +158,16 @@ class Admission:
         self._config = config or AdmissionConfig()
         self._grace_ms = queue_timeout_grace_ms
         self._releases: set[asyncio.Task[None]] = set()
-        self._fleet_releases = None
-        if fleet_wide_waits:
-            self._fleet_releases = FleetReleases(
-                limiter,
-                jobs.backend,
-                stop_curve=lambda: jobs.stop_hazard.curve,
-                fallback_pace_s=jobs.stream_pace_s,
-                service_s=self._decode_s,
-                fleet_capacity=self._capacity.fleet_capacity,
-            )
+        # The waits at a tenant's concurrency cap, from its requests wherever they run
+        # (through other gateways too, in a fleet).
+        self._fleet_releases = FleetReleases(
+            limiter,
+            jobs.backend,
+            stop_curve=lambda: jobs.stop_hazard.curve,
+            fallback_pace_s=jobs.stream_pace_s,
+            service_s=self._decode_s,
+            fleet_capacity=self._capacity.fleet_capacity,
+        )
 
     @property
     def backend(self) -> QueueBackend:
@@ -310,17 +307,15 @@ class Admission:
         return await self._service_s(job)
 
     async def _concurrency_wait_s(self, job: Job, num_slots_short: int) -> float | None:
-        """At the concurrency cap, slots free as the tenant's running requests end:
-        when as many as must end are expected to, counted over the fleet (its requests
-        streaming through every gateway) where it shares the queue, else over those
-        streaming here. The fleet's time for one request like this one is the last
-        resort: it was 15 ms where a tenant's one running request had seconds left, and
-        its client retried 60 times a second."""
+        """At the concurrency cap, slots free as the tenant's requests end: when as
+        many as must end are expected to, from the queue's view of every one of them
+        (gateway.concurrency_wait), else from those streaming here. The fleet's time for
+        one request like this one is the last resort: it was 15 ms where a tenant's one
+        running request had seconds left, and its client retried 60 times a second."""
         tenant = job.tenant_id
         retry_s = None
-        if self._fleet_releases is not None:
-            with contextlib.suppress(BackendUnavailableError):
-                retry_s = await self._fleet_releases.release_s(tenant, num_slots_short)
+        with contextlib.suppress(BackendUnavailableError):
+            retry_s = await self._fleet_releases.release_s(tenant, num_slots_short)
         if retry_s is None:
             retry_s = self._jobs.tenant_release_s(tenant, num_slots_short)
         if retry_s is None:

@@ -222,13 +222,7 @@ async def _build_router(
         )
         recovery.start()
         stack.push_async_callback(recovery.aclose)
-    admission = Admission(
-        queue.limiter,
-        jobs,
-        on_unknown_tier=sync.push_tiers,
-        # A tenant's requests stream through every gateway of a fleet.
-        fleet_wide_waits=queue.is_shared,
-    )
+    admission = Admission(queue.limiter, jobs, on_unknown_tier=sync.push_tiers)
     stack.push_async_callback(admission.aclose)
     monitor = QueueMonitor(queue.backend)
     monitor.start()

@@ -110,7 +110,7 @@ class FleetReleases:
             elif job.status is JobStatus.QUEUED:
                 queued.append(job.max_tokens - made)
             else:
-                leased.append((job.max_tokens - made, made, True))
+                leased.append((job.max_tokens - made, made, job.can_stop_early))
             first, last = job.first_token_ms, job.last_token_ms
             if made >= MIN_PACE_TOKENS and first is not None and last is not None:
                 paces.append((last - first) / 1000.0 / (made - 1))

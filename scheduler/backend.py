@@ -163,6 +163,9 @@ class JobProgress:
     num_tokens: int  # streamed so far
     first_token_ms: int | None
     last_token_ms: int | None
+    # Whether it may stop before its max_tokens (SamplingParams.can_stop_early); the
+    # Redis queue does not say (its parameters are in the job's JSON): True there.
+    can_stop_early: bool = True
 
 
 @dataclass(frozen=True)

@@ -554,8 +554,10 @@ class MemoryBackend:
         out = []
         for job_id in job_ids:
             entry = self._entries.get(job_id)
+            can_stop = True
             if entry is not None:
                 status, max_tokens = entry.status, entry.job.params.max_tokens
+                can_stop = entry.job.params.can_stop_early
             elif job_id in self._finished:
                 done = self._finished[job_id]
                 status, max_tokens = JobStatus(done[0]), done[4]
@@ -570,6 +572,7 @@ class MemoryBackend:
                     num_tokens=stream.num_tokens,
                     first_token_ms=stream.first_token_ms,
                     last_token_ms=stream.last_token_ms,
+                    can_stop_early=can_stop,
                 )
             )
         return out

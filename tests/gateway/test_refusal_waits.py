@@ -130,7 +130,7 @@ async def test_the_concurrency_wait_counts_requests_streaming_through_another_ga
     dispatcher = Dispatcher(backend, engine)
     here = Admission(limiter, JobClient(backend, on_enqueue=dispatcher.notify))
     jobs_elsewhere = JobClient(backend)
-    elsewhere = Admission(limiter, jobs_elsewhere, fleet_wide_waits=True)
+    elsewhere = Admission(limiter, jobs_elsewhere)
     dispatcher.start()
     await dispatcher.publish_capacity()
     try:

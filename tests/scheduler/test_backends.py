@@ -471,10 +471,16 @@ async def test_a_finished_job_keeps_its_status_and_id_but_not_its_prompt(
         await backend.enqueue(job)
     assert await backend.charge(job.job_id, output_tokens=1)  # a late charge still counts
     if isinstance(backend, MemoryBackend):
-        # Nothing of the job is kept but its status, tier, tenant and weight, in a tuple
-        # of atomic values the garbage collector stops tracking.
+        # Nothing of the job is kept but its status, tier, tenant, weight and max_tokens,
+        # in a tuple of atomic values the garbage collector stops tracking.
         assert job.job_id not in backend._entries
-        assert backend._finished[job.job_id] == ("done", job.tier, job.tenant_id, job.weight)
+        assert backend._finished[job.job_id] == (
+            "done",
+            job.tier,
+            job.tenant_id,
+            job.weight,
+            job.params.max_tokens,
+        )
         gc.collect()
         assert not gc.is_tracked(backend._finished[job.job_id])
     else:
