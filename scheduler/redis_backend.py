@@ -494,7 +494,8 @@ class RedisBackend:
                     job_id,
                     JobStatus(status),
                     max_tokens=int(max_tokens or 0),
-                    num_tokens=int(num_entries) - ended,  # less its done or error event
+                    # Less its done or error event (a cancel writes none).
+                    num_tokens=max(0, int(num_entries) - ended),
                     first_token_ms=int(first[0][0].split("-")[0]) if first else None,
                     last_token_ms=int(last[0][0].split("-")[0]) if last else None,
                 )
