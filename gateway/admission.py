@@ -17,6 +17,7 @@ import contextlib
 import contextvars
 import logging
 import math
+import statistics
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -327,7 +328,22 @@ class Admission:
         return await self._work_s(job.num_prompt_tokens, job.params.max_tokens)
 
     async def _decode_s(self, num_tokens: int) -> float | None:
-        """The fleet's time for a job's `num_tokens` output tokens left (None if unknown)."""
+        """A running sequence's time for `num_tokens` output tokens: at the pace the
+        engines give each of their sequences (an engine's decode rate over its running
+        sequences; the median over the live workers), else at the fleet's rates (None if
+        unknown). The fleet's rates alone gave a sequence the whole fleet's speed: a
+        wait several times too short on a busy one."""
+        try:
+            reports = await self._jobs.backend.worker_reports()
+        except BackendUnavailableError:
+            return None
+        paces = [
+            r.num_running / r.decode_tokens_per_s
+            for r in reports
+            if r.num_running and r.decode_tokens_per_s > 0
+        ]
+        if paces:
+            return num_tokens * statistics.median(paces)
         return await self._work_s(0, num_tokens)
 
     async def _work_s(self, num_prompt_tokens: int, max_tokens: int) -> float | None:

@@ -221,6 +221,34 @@ async def _no_service_s(num_tokens: int) -> float | None:
     raise AssertionError("a pace was known")
 
 
+async def test_a_queued_request_holding_the_slot_waits_for_a_slot_then_runs() -> None:
+    """The tenant's one request is queued behind a full fleet, whose engines give each of
+    their two sequences a token every 2/260 s: it frees the slot after the fleet's next
+    release and its own 600 tokens at that pace (told 10 ms before: the time of the
+    refused request, or the fleet's speed for the queued one's tokens)."""
+    tier = _tier("interactive", 1)
+    backend = MemoryBackend([TierConfig(tier.name, tier.rank)])
+    admission = Admission(MemoryRateLimiter(), JobClient(backend), capacity_max_age_ms=0)
+    principal = _principal(tier, max_concurrency=1)
+    await backend.publish_capacity(
+        "w1",
+        prefill_tokens_per_s=5_000.0,
+        decode_tokens_per_s=260.0,
+        ttl_ms=60_000,
+        release_ms=[1_000.0],
+        num_running=2,
+    )
+    queued = _job(tier, 600, ignore_eos=True)
+    try:
+        await admission.reserve(principal, queued)
+        await admission.enqueue(queued, tier)  # nothing dispatches it
+        with pytest.raises(RateLimitedError) as refused:
+            await admission.reserve(principal, _job(tier, 1))
+        assert refused.value.retry_after_s == pytest.approx(1.0 + 600 * 2 / 260, rel=0.02)
+    finally:
+        await admission.aclose()
+
+
 def test_a_slot_names_the_job_of_its_choice() -> None:
     assert slot_job_id("chatcmpl-9a") == "chatcmpl-9a"
     assert slot_job_id("chatcmpl-9a#3") == "chatcmpl-9a.3"
