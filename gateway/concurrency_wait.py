@@ -13,8 +13,8 @@ knows. A slot frees:
 - when its running job ends: the k-th release among them (scheduler.slot_release,
   with the stop curve this gateway learned) at the pace they stream;
 - when its queued job has waited for one of the fleet's slot releases and then run;
-- when its hold lapses, for a job that has ended but whose slot is still held (its
-  gateway died: nobody releases it before the lapse);
+- when its hold lapses, for a job whose gateway died (nobody releases its slot before
+  the lapse, however soon the job ends) or that has ended with its slot still held;
 - a slot whose job is not queued yet (reserved a moment ago) is left out.
 
 The pace is the tenant's jobs' own, from those that have streamed enough tokens for it
@@ -105,15 +105,15 @@ class FleetReleases:
         paces: list[float] = []
         for job in progress:
             made = job.num_tokens
-            if job.status not in _RUNNING:
+            first, last = job.first_token_ms, job.last_token_ms
+            if made >= MIN_PACE_TOKENS and first is not None and last is not None:
+                paces.append((last - first) / 1000.0 / (made - 1))
+            if job.status not in _RUNNING or job.is_orphaned:
                 releases.append(max(0.0, (lapses[job.job_id] - now_ms) / 1000.0))
             elif job.status is JobStatus.QUEUED:
                 queued.append(job.max_tokens - made)
             else:
                 leased.append((job.max_tokens - made, made, job.can_stop_early))
-            first, last = job.first_token_ms, job.last_token_ms
-            if made >= MIN_PACE_TOKENS and first is not None and last is not None:
-                paces.append((last - first) / 1000.0 / (made - 1))
         if leased or queued:
             runs = await self._runs_s(leased, queued, paces, num_slots)
             if runs is None:

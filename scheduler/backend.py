@@ -166,6 +166,9 @@ class JobProgress:
     # Whether it may stop before its max_tokens (SamplingParams.can_stop_early); the
     # Redis queue does not say (its parameters are in the job's JSON): True there.
     can_stop_early: bool = True
+    # Its gateway has stopped renewing its presence (it died): whatever becomes of the
+    # job, nobody is left to hand back what the gateway held for it.
+    is_orphaned: bool = False
 
 
 @dataclass(frozen=True)

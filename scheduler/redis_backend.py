@@ -478,14 +478,17 @@ class RedisBackend:
         with unavailable_as_error():
             async with self._redis.pipeline(transaction=False) as pipe:
                 for job_id in job_ids:
-                    pipe.hmget(k.job(job_id), "st", "dec")
+                    pipe.hmget(k.job(job_id), "st", "dec", "gw")
                     pipe.xlen(k.results(job_id))
                     pipe.xrange(k.results(job_id), count=1)
                     pipe.xrevrange(k.results(job_id), count=1)
                 replies = await pipe.execute()
+            gateways = sorted({r[2] for r in replies[::4] if r[0] is not None and r[2]})
+            presences = await self._redis.mget([k.gateway(g) for g in gateways]) if gateways else []
+        gone = {g for g, presence in zip(gateways, presences, strict=True) if presence != "up"}
         out = []
         for i, job_id in enumerate(job_ids):
-            (status, max_tokens), num_entries, first, last = replies[4 * i : 4 * i + 4]
+            (status, max_tokens, gateway), num_entries, first, last = replies[4 * i : 4 * i + 4]
             if status is None:
                 continue
             ended = status not in (JobStatus.QUEUED, JobStatus.LEASED)
@@ -498,6 +501,7 @@ class RedisBackend:
                     num_tokens=max(0, int(num_entries) - ended),
                     first_token_ms=int(first[0][0].split("-")[0]) if first else None,
                     last_token_ms=int(last[0][0].split("-")[0]) if last else None,
+                    is_orphaned=gateway in gone,
                 )
             )
         return out

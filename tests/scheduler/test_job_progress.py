@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from scheduler.backend import JobProgress, JobStatus
+from scheduler.redis_backend import RedisBackend
 
 LEASE_MS = 5_000
 
@@ -37,3 +38,17 @@ async def test_progress_of_queued_and_leased_jobs(backend, make_job, clock) -> N
     assert running.first_token_ms < running.last_token_ms
     assert await backend.job_progress([]) == []
     assert isinstance(running, JobProgress)
+
+
+async def test_a_job_whose_gateway_died_is_orphaned(backend, make_job) -> None:
+    # The Redis queue knows its gateway's presence; in process, no gateway dies alone.
+    await backend.publish_gateway("gw-up", 60_000)
+    await backend.enqueue(make_job("t", job_id="kept"), gateway_id="gw-up")
+    await backend.enqueue(make_job("t", job_id="orphan"), gateway_id="gw-gone")
+    await backend.enqueue(make_job("t", job_id="anonymous"))
+    progress = await backend.job_progress(["kept", "orphan", "anonymous"])
+    assert [(p.job_id, p.is_orphaned) for p in progress] == [
+        ("kept", False),
+        ("orphan", isinstance(backend, RedisBackend)),
+        ("anonymous", False),
+    ]
