@@ -20,10 +20,9 @@ knows. A slot frees:
 The pace is the tenant's jobs' own, from those that have streamed enough tokens for it
 to mean something (the first few steps of a stream run behind prefills); else what
 `fallback_pace_s` says (this gateway's other streams); else each job's tokens left take
-the fleet's time for that many (`service_s`, at its measured rates: short of one
-sequence's time on a busy engine, but not the few milliseconds of the refused request).
-It is read at a refusal only, and kept a moment per tenant: a client hammering at its
-cap costs one read every CACHE_S.
+what `service_s` says (the pace the engines report giving each of their sequences). It
+is read at a refusal only, and kept a moment per tenant: a client hammering at its cap
+costs one read every CACHE_S.
 """
 
 from __future__ import annotations
@@ -139,7 +138,7 @@ class FleetReleases:
         num_slots: int,
     ) -> tuple[list[float], list[float]] | None:
         """Seconds until the first `num_slots` leased jobs end, and each queued job's
-        run; None when neither a pace nor the fleet's rates are known."""
+        run; None when neither a pace nor the engines' reports tell."""
         pace = statistics.median(paces) if paces else self._fallback_pace_s()
         if pace is not None:
             steps = release_steps(leased, self._stop_curve(), limit=num_slots)
