@@ -155,12 +155,16 @@ class ScriptChannel:
         already lost fails the call at once: nothing written to it would be answered."""
         if protocol.lost is not None:
             raise protocol.lost
+        # Packed before its reply is awaited: an argument hiredis cannot send (None, a
+        # bool) must fail this call alone, not leave a reply owed that never comes and
+        # hand every later caller the reply of the one before it.
+        packed = hiredis.pack_command(command)
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         protocol.pending.append(future)
         if not protocol.outgoing:
             loop.call_soon(protocol.flush)  # this iteration's other commands join the write
-        protocol.outgoing.append(hiredis.pack_command(command))
+        protocol.outgoing.append(packed)
         try:
             async with asyncio.timeout(self._timeout_s):
                 return await future

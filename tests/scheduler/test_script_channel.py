@@ -80,6 +80,23 @@ async def test_a_cancelled_caller_does_not_shift_the_replies_of_the_others() -> 
                 assert await call == [f"c{i}", 2 * i]
 
 
+async def test_an_argument_it_cannot_send_fails_that_call_alone() -> None:
+    async with channel_to() as (client, channel):
+        echo = client.register_script(ECHO)
+        await channel.evalsha(echo.sha, echo.script, ["warm", 0])
+        for bad in (None, True):
+            with pytest.raises(TypeError):
+                await channel.evalsha(echo.sha, echo.script, ["bad", bad])
+        # The connection owes nobody a reply: the next callers get their own at once.
+        replies = await asyncio.wait_for(
+            asyncio.gather(
+                *(channel.evalsha(echo.sha, echo.script, [f"c{i}", i]) for i in range(5))
+            ),
+            2.0,
+        )
+        assert replies == [[f"c{i}", 2 * i] for i in range(5)]
+
+
 async def test_an_unknown_script_is_loaded_and_a_script_error_is_a_response_error() -> None:
     async with channel_to() as (client, channel):
         # A script no server has seen (its text is unique), so the first call is NOSCRIPT.
