@@ -309,16 +309,13 @@ class Admission:
 
     async def _concurrency_wait_s(self, job: Job, num_slots_short: int) -> float | None:
         """At the concurrency cap, slots free as the tenant's requests end: when as
-        many as must end are expected to, from the queue's view of every one of them
-        (gateway.concurrency_wait), else from those streaming here. The fleet's time for
-        one request like this one is the last resort: it was 15 ms where a tenant's one
-        running request had seconds left, and its client retried 60 times a second."""
-        tenant = job.tenant_id
+        many as must end are expected to, from the queue's view of every one of them,
+        the ones streaming here included (gateway.concurrency_wait). The fleet's time
+        for one request like this one is the last resort: it was 15 ms where a tenant's
+        one running request had seconds left, and its client retried 60 times a second."""
         retry_s = None
         with contextlib.suppress(BackendUnavailableError):
-            retry_s = await self._fleet_releases.release_s(tenant, num_slots_short)
-        if retry_s is None:
-            retry_s = self._jobs.tenant_release_s(tenant, num_slots_short)
+            retry_s = await self._fleet_releases.release_s(job.tenant_id, num_slots_short)
         if retry_s is None:
             retry_s = await self._service_s(job)
         return retry_s

@@ -1,10 +1,10 @@
 """How long a tenant at its concurrency cap waits for a slot, from the whole fleet.
 
-A gateway knows the requests that stream through it (JobClient.tenant_release_s), but
-behind a load balancer a tenant's running requests stream through every gateway, and a
-refusal's Retry-After must count them all: the fallback before this, the fleet's time
-for one request like the refused one, told a client 12 ms while the tenant's running
-request had 2 s left.
+A gateway knows the requests that stream through it, but behind a load balancer a
+tenant's running requests stream through every gateway, and a refusal's Retry-After must
+count them all: counted from this gateway's streams alone, with the fleet's time for one
+request like the refused one when none streamed here, it told a client 12 ms while the
+tenant's running request had 2 s left.
 
 The tenant's slots are held in the rate limiter, one per choice, named after the
 request (scheduler.rate_limit.slot_ids); each names its job, whose progress the queue

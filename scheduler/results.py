@@ -53,7 +53,6 @@ from scheduler.backend import (
 )
 from scheduler.job import Job
 from scheduler.logprobs import decode_logprobs
-from scheduler.slot_release import release_steps
 
 log = logging.getLogger(__name__)
 
@@ -344,7 +343,8 @@ class JobClient:
         self._unsettled: deque[str] = deque(maxlen=MAX_UNSETTLED)
         self._no_worker_since: float | None = None  # monotonic; None while one is live
         self._background: set[asyncio.Task[Any]] = set()
-        # How the jobs that finished here stopped, by age (see tenant_release_s).
+        # How the jobs that finished here stopped, by age (the stop curve of the waits
+        # at a tenant's concurrency cap: gateway.concurrency_wait).
         self.stop_hazard = StopHazard()
 
     @property
@@ -434,28 +434,6 @@ class JobClient:
         if finish_reason == "stop":
             stops[age_bucket(num_tokens - 1)] += 1
         self.stop_hazard.record(tokens, stops)
-
-    def tenant_release_s(self, tenant_id: str, num_slots: int) -> float | None:
-        """Seconds until `num_slots` of the tenant's jobs that stream through this client
-        are expected to have ended: the k-th release (scheduler.slot_release) of those
-        that have streamed tokens, from the tokens each has left and how jobs that ended
-        here stopped, at the pace they have streamed (the median of their tokens per
-        second since their dispatch). None when none of the tenant's jobs streams here
-        (all queued, or through other gateways)."""
-        running, paces = [], []
-        for stream in self._streams.values():
-            made = stream.num_output_tokens
-            if stream.job.tenant_id != tenant_id or stream.dispatched_s is None or made == 0:
-                continue
-            params = stream.job.params
-            running.append((params.max_tokens - made, made, params.can_stop_early))
-            if (pace := _pace_s(stream)) is not None:
-                paces.append(pace)
-        pace = statistics.median(paces) if paces else self.stream_pace_s()
-        if not running or pace is None:
-            return None
-        steps = release_steps(running, self.stop_hazard.curve, limit=max(num_slots, 1))
-        return steps[-1] * pace
 
     def stream_pace_s(self) -> float | None:
         """Seconds per token of the jobs streaming through this client (the median of
