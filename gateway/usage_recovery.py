@@ -30,7 +30,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from gateway.db.models import UsageRow
-from gateway.openai.choices import choice_counts
+from gateway.openai.choices import choice_counts, request_of_job
 from gateway.usage import UsageRecord, UsageWriter
 from scheduler.backend import BackendUnavailableError, JobStatus, QueueBackend, UnbilledJob
 
@@ -40,13 +40,6 @@ RECOVER_EVERY_S = 5.0
 MAX_CLAIM = 200  # jobs per claim: one script call, and one database query per round
 # A record of the request may be this much older than the queue's events say (clocks).
 _CLOCK_SLACK = timedelta(hours=1)
-
-
-def request_id_of(job_id: str) -> str:
-    """The request a job belongs to: choice i > 0 of request r is job `r.i`
-    (gateway.openai.choices.choice_job_id)."""
-    head, dot, tail = job_id.rpartition(".")
-    return head if dot and tail.isdigit() else job_id
 
 
 def recovered_record(request_id: str, jobs: Sequence[UnbilledJob], model: str) -> UsageRecord:
@@ -134,7 +127,7 @@ class UsageRecovery:
         """One round: claim, then bill what no record covers. Returns the jobs claimed."""
         jobs = await self._backend.claim_unbilled(self._gateway_id, MAX_CLAIM)
         for job in jobs:
-            self._claimed.setdefault(request_id_of(job.job_id), []).append(job)
+            self._claimed.setdefault(request_of_job(job.job_id), []).append(job)
         if self._claimed:
             await self._bill_claimed()
         return len(jobs)

@@ -31,6 +31,12 @@ def choice_job_id(request_id: str, index: int) -> str:
     return request_id if index == 0 else f"{request_id}.{index}"
 
 
+def request_of_job(job_id: str) -> str:
+    """The request a job belongs to (choice_job_id's inverse)."""
+    head, dot, tail = job_id.rpartition(".")
+    return head if dot and tail.isdigit() else job_id
+
+
 def choice_jobs(job: Job, n: int, *, first_index: int = 0) -> list[Job]:
     """The jobs of a prompt's n choices, the response's choices first_index onwards;
     `job` is the request's, its id the request id."""

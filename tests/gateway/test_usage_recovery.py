@@ -22,8 +22,9 @@ from engine.request import SamplingParams
 from gateway.db.models import UsageRow
 from gateway.db.session import create_db_engine, create_sessionmaker
 from gateway.migrate import upgrade_to_head
+from gateway.openai.choices import request_of_job
 from gateway.usage import UsageRecord, UsageWriter, write_usage
-from gateway.usage_recovery import UsageRecovery, request_id_of
+from gateway.usage_recovery import UsageRecovery
 from scheduler.job import Job
 from scheduler.keys import KeySpace
 from scheduler.policy import TierConfig
@@ -231,9 +232,9 @@ async def test_claims_wait_for_a_database_that_cannot_answer(queue, tmp_path: Pa
 
 
 def test_a_choice_job_belongs_to_its_request() -> None:
-    assert request_id_of("chatcmpl-1f2e.3") == "chatcmpl-1f2e"
-    assert request_id_of("chatcmpl-1f2e") == "chatcmpl-1f2e"
-    assert request_id_of("req.v2") == "req.v2"  # a dot that is not a choice's
+    assert request_of_job("chatcmpl-1f2e.3") == "chatcmpl-1f2e"
+    assert request_of_job("chatcmpl-1f2e") == "chatcmpl-1f2e"
+    assert request_of_job("req.v2") == "req.v2"  # a dot that is not a choice's
 
 
 def test_a_live_request_bills_each_prompt_once() -> None:
