@@ -482,8 +482,9 @@ class UsageWriter:
             if not batch:
                 return True
             self._num_in_flight = len(batch)
+            job_ids = [job_id for rec in batch for job_id in rec.job_ids]
             try:
-                written = await self._unclaimed(batch)
+                written = await self._unclaimed(batch, job_ids)
                 async with self._sessionmaker() as session, session.begin():
                     await write_usage(session, written)
             except Exception as exc:
@@ -509,14 +510,13 @@ class UsageWriter:
                     "one did not answer",
                     num_left_out,
                 )
-            job_ids = [job_id for rec in batch for job_id in rec.job_ids]
             if job_ids and self.on_written is not None:
                 self.on_written(job_ids)
             return True
 
-    async def _unclaimed(self, batch: list[UsageRecord]) -> list[UsageRecord]:
-        """The batch less the records another gateway has billed already."""
-        job_ids = [job_id for rec in batch for job_id in rec.job_ids]
+    async def _unclaimed(self, batch: list[UsageRecord], job_ids: list[str]) -> list[UsageRecord]:
+        """The batch (whose records bill `job_ids`) less the records another gateway has
+        billed already."""
         if not job_ids or self.claimed_elsewhere is None:
             return batch
         claimed = await self.claimed_elsewhere(job_ids)
