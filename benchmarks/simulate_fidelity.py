@@ -700,8 +700,9 @@ def _report(run: RunResult, index: int) -> str:
             f"### calibrated by {name}",
             "",
             f"fit: overhead {p.overhead_s * 1000:.2f} ms + {p.overhead_per_seq_s * 1000:.2f} ms "
-            f"per sequence, memory efficiency "
-            f"{p.memory_efficiency:.3f}, compute efficiency {p.compute_efficiency:.3f}, "
+            f"per sequence, memory {p.memory_efficiency:.3f} × "
+            f"{p.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s, compute "
+            f"{p.compute_efficiency:.3f} × {p.peak_flops_per_s / 1e9:.1f} GFLOP/s, "
             f"mean error {cal.mean_abs_rel_error:.1%} over {cal.num_samples} steps",
             "",
             "measured replay's step cycles: "

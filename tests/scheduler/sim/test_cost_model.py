@@ -283,15 +283,29 @@ def test_sample_lines_that_are_no_step_are_refused(line: str, match: str) -> Non
         read_samples(['{"num_batched_tokens": 4, "num_kv_tokens": 40, "step_s": 0.01}', line])
 
 
-def test_the_fit_keeps_efficiencies_within_peak(tmp_path) -> None:
-    # Steps three times faster than the base's bandwidth allows: the best fit would be a
-    # memory efficiency of 3; it stops at 1, so the fitted file loads again.
+def test_the_fit_raises_hardware_numbers_the_steps_outran(tmp_path) -> None:
+    # Steps three times faster than the base's bandwidth allows, with prefills that
+    # need twice its peak: pinned at an efficiency of 1, the fit put the rest into the
+    # overheads and mispredicted every step. The excess now goes into the numbers, and
+    # the efficiencies stay fractions of peak, so the fitted file loads again.
     base = load_preset("cpu-tiny")
-    truth = replace(base, memory_bandwidth_bytes_per_s=3 * base.memory_bandwidth_bytes_per_s)
-    truth = replace(truth, memory_efficiency=1.0, compute_efficiency=1.0)
+    truth = replace(
+        base,
+        memory_bandwidth_bytes_per_s=3 * base.memory_bandwidth_bytes_per_s,
+        peak_flops_per_s=2 * base.peak_flops_per_s,
+        memory_efficiency=1.0,
+        compute_efficiency=1.0,
+        overhead_s=0.001,
+    )
     shapes = [StepShape(n, n * 100) for n in (1, 2, 4, 8, 16, 32)]
-    fitted = fit_roofline(base, [StepSample(s, truth.shape_time_s(s)) for s in shapes]).params
-    assert fitted.memory_efficiency == 1.0
+    shapes += [StepShape(n, n, *chunk_shape(0, n)[1:]) for n in (128, 256, 512, 1024)]
+    result = fit_roofline(base, [StepSample(s, truth.shape_time_s(s)) for s in shapes])
+    fitted = result.params
+    assert (fitted.memory_efficiency, fitted.compute_efficiency) == (1.0, 1.0)
+    assert fitted.memory_bandwidth_bytes_per_s == pytest.approx(3e10, rel=0.02)
+    assert fitted.peak_flops_per_s == pytest.approx(1e11, rel=0.02)
+    assert fitted.overhead_s == pytest.approx(0.001, rel=0.02)
+    assert result.mean_abs_rel_error < 0.01
     save_params(fitted, tmp_path / "fitted.json")
     assert load_params(tmp_path / "fitted.json") == fitted
 
