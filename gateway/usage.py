@@ -58,6 +58,9 @@ from gateway.observability.slo import (
 log = logging.getLogger(__name__)
 
 
+_MAX_COST_NANOS = 2**63 - 1  # usage_records.cost_nanos is a 64-bit integer
+
+
 @dataclass(frozen=True)
 class TokenPrices:
     """A tier's prices per million input and output tokens."""
@@ -77,7 +80,10 @@ class TokenPrices:
         price_in, price_out = self.input_per_mtok * 1000, self.output_per_mtok * 1000
         # Half away from zero, as SQL's round() prices rows in migration 0008 and
         # rebuild_usage_rollup (Python's round() goes to even).
-        return math.floor(input_tokens * price_in + output_tokens * price_out + 0.5)
+        nanos = math.floor(input_tokens * price_in + output_tokens * price_out + 0.5)
+        # Beyond the column (a price set before the admin API capped prices), the record
+        # would fail its batch on every retry: it is billed at the column's most.
+        return min(nanos, _MAX_COST_NANOS)
 
 
 @dataclass(frozen=True)
@@ -482,41 +488,106 @@ class UsageWriter:
             if not batch:
                 return True
             self._num_in_flight = len(batch)
-            job_ids = [job_id for rec in batch for job_id in rec.job_ids]
             try:
-                written = await self._unclaimed(batch, job_ids)
-                async with self._sessionmaker() as session, session.begin():
-                    await write_usage(session, written)
-            except Exception as exc:
-                self._num_failed_flushes += 1
-                if self._num_failed_flushes == 1:
-                    log.exception("writing %d usage records failed; will retry", len(batch))
-                else:
-                    log.warning("usage records still unwritten (%s)", type(exc).__name__)
-                # Back at the front, in order; the oldest fall off if the buffer is full.
-                space = (self._buffer.maxlen or 0) - len(self._buffer)
-                num_lost = max(0, len(batch) - space)
-                self.num_dropped += num_lost
-                self._buffer.extendleft(reversed(batch[num_lost:]))
-                return False
+                return await self._flush(batch)
             finally:
                 self._num_in_flight = 0
-            self._num_failed_flushes = 0
-            self.num_written += len(written)
-            if num_left_out := len(batch) - len(written):
-                self.num_billed_elsewhere += num_left_out
-                log.warning(
-                    "%d usage records left out: another gateway billed them while this "
-                    "one did not answer",
-                    num_left_out,
-                )
-            if job_ids and self.on_written is not None:
-                self.on_written(job_ids)
-            return True
 
-    async def _unclaimed(self, batch: list[UsageRecord], job_ids: list[str]) -> list[UsageRecord]:
-        """The batch (whose records bill `job_ids`) less the records another gateway has
-        billed already."""
+    async def _flush(self, batch: list[UsageRecord]) -> bool:
+        try:
+            kept = await self._unclaimed(batch)
+        except Exception as exc:  # Redis away: ask again with the next try
+            self._requeue(batch, exc)
+            return False
+        rest: list[UsageRecord] = []  # unwritten, for the next try
+        num_refused = 0  # dropped: the database cannot store them
+        try:
+            await self._write(kept)
+        except Exception as exc:
+            rest = kept
+            if await self._database_answers():
+                # The database answers yet refused the batch: retried whole, a record
+                # it cannot store would fail the batch forever and hold up every record
+                # behind it. Each goes alone, and only such a record is dropped.
+                rest, num_refused = await self._write_each(kept)
+                self.num_dropped += num_refused
+            if rest:
+                self._requeue(rest, exc)
+        if not rest:
+            self._num_failed_flushes = 0
+        self.num_written += len(kept) - len(rest) - num_refused
+        if num_left_out := len(batch) - len(kept):
+            self.num_billed_elsewhere += num_left_out
+            log.warning(
+                "%d usage records left out: another gateway billed them while this "
+                "one did not answer",
+                num_left_out,
+            )
+        pending = {id(rec) for rec in rest}
+        settled = [j for rec in batch if id(rec) not in pending for j in rec.job_ids]
+        if settled and self.on_written is not None:
+            self.on_written(settled)
+        return not rest
+
+    async def _write(self, records: list[UsageRecord]) -> None:
+        async with self._sessionmaker() as session, session.begin():
+            await write_usage(session, records)
+
+    async def _write_each(self, records: list[UsageRecord]) -> tuple[list[UsageRecord], int]:
+        """Write each record in a transaction of its own; the records left unwritten, and
+        how many were dropped.
+
+        A record the database refuses alone, while it takes others, is one it cannot
+        store: it is dropped (counted, logged). When it takes none (no table yet, a
+        column a newer release writes) or stops answering, the records are kept.
+        """
+        refused: list[UsageRecord] = []
+        for i, rec in enumerate(records):
+            try:
+                await self._write([rec])
+            except Exception:
+                if not await self._database_answers():
+                    return refused + records[i:], 0
+                refused.append(rec)
+        if len(refused) == len(records):
+            return refused, 0
+        num_dropped = 0
+        for j, rec in enumerate(refused):
+            try:
+                await self._write([rec])  # a second try, in case it met a deadlock
+            except Exception:
+                if not await self._database_answers():
+                    return refused[j:], num_dropped
+                num_dropped += 1
+                log.exception(
+                    "usage record of request %s cannot be stored; dropped", rec.request_id
+                )
+        return [], num_dropped
+
+    async def _database_answers(self) -> bool:
+        try:
+            async with self._sessionmaker() as session:
+                await session.execute(text("SELECT 1"))
+        except Exception:
+            return False
+        return True
+
+    def _requeue(self, records: list[UsageRecord], exc: Exception) -> None:
+        """Put unwritten records back at the front, in order; the oldest fall off if the
+        buffer is full."""
+        self._num_failed_flushes += 1
+        if self._num_failed_flushes == 1:
+            log.error("writing %d usage records failed; will retry", len(records), exc_info=exc)
+        else:
+            log.warning("usage records still unwritten (%s)", type(exc).__name__)
+        space = (self._buffer.maxlen or 0) - len(self._buffer)
+        num_lost = max(0, len(records) - space)
+        self.num_dropped += num_lost
+        self._buffer.extendleft(reversed(records[num_lost:]))
+
+    async def _unclaimed(self, batch: list[UsageRecord]) -> list[UsageRecord]:
+        """The batch less the records another gateway has billed already."""
+        job_ids = [job_id for rec in batch for job_id in rec.job_ids]
         if not job_ids or self.claimed_elsewhere is None:
             return batch
         claimed = await self.claimed_elsewhere(job_ids)

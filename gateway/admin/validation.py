@@ -18,6 +18,11 @@ from gateway.errors import InvalidRequestError, PayloadTooLargeError
 MAX_BODY_BYTES = 64 * 1024
 MAX_INT = 2**31 - 1  # the columns are 32-bit on PostgreSQL
 MAX_NUMBER = 1e12
+# A price per million tokens (a million per token is beyond any model's). Costs are
+# summed as 64-bit billionths: at this cap one maximal request (128 choices of a full
+# context) is ~3e14 of them, so a tenant's hourly sum fits for some 30,000 such requests;
+# at MAX_NUMBER a single 10,000-token request overflowed its usage record.
+MAX_PRICE_PER_MTOK = 1e6
 MIN_WEIGHT = 0.001
 
 TIER_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")
@@ -207,8 +212,8 @@ TIER_FIELDS: dict[str, Field] = {
     "rpm": LIMIT,
     "tpm": LIMIT,
     "max_concurrency": LIMIT,
-    "price_input_per_mtok": Field("number", min=0),
-    "price_output_per_mtok": Field("number", min=0),
+    "price_input_per_mtok": Field("number", min=0, max=MAX_PRICE_PER_MTOK),
+    "price_output_per_mtok": Field("number", min=0, max=MAX_PRICE_PER_MTOK),
 }
 
 TENANT_FIELDS: dict[str, Field] = {

@@ -219,6 +219,8 @@ BAD_BODIES = [
     ("/tiers", b'{"name": "x", "rank": 1, "min_share": 1}', "min_share"),
     ("/tiers", b'{"name": "x", "rank": 1, "preemptible": 1}', "preemptible"),
     ("/tiers", b'{"name": "x", "rank": 1, "price_input_per_mtok": -1}', None),
+    # Beyond any model's price; at 1e12 one 10,000-token request overflowed its record.
+    ("/tiers", b'{"name": "x", "rank": 1, "price_output_per_mtok": 1000001}', None),
     ("/tiers", b'{"name": "Has Space", "rank": 1}', "name"),
     ("/tiers", b'{"name": "' + b"x" * 40 + b'", "rank": 1}', "name"),
     ("/tiers", b'{"name": "x", "rank": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None),

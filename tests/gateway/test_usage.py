@@ -13,7 +13,7 @@ from gateway.db.models import UsageHourly, UsageRow
 from gateway.db.session import create_db_engine, create_sessionmaker
 from gateway.migrate import upgrade_to_head
 from gateway.observability.slo import SloTargets
-from gateway.usage import UsageRecord, UsageWriter
+from gateway.usage import TokenPrices, UsageRecord, UsageWriter
 
 T0 = datetime(2030, 5, 1, 12, 0, 0, 123456, tzinfo=UTC)
 
@@ -140,6 +140,77 @@ async def test_record_never_raises_and_odd_records_do_not_block(db_sessionmaker)
     rows = await _rows(db_sessionmaker)
     assert [r.request_id for r in rows] == ["req_1", "req_2"]
     assert rows[0].model == "m" * 200
+
+
+_REFUSE_POISON = {
+    # A record the database cannot store, whatever the reason (it refused a cost beyond
+    # its 64-bit column, before costs were capped): a trigger stands in for the reason.
+    "sqlite": [
+        "CREATE TRIGGER poison BEFORE INSERT ON usage_records WHEN NEW.request_id = "
+        "'req_poison' BEGIN SELECT RAISE(ABORT, 'cannot store this record'); END"
+    ],
+    "postgresql": [
+        "CREATE FUNCTION poison() RETURNS trigger AS $$ BEGIN IF NEW.request_id = "
+        "'req_poison' THEN RAISE EXCEPTION 'cannot store this record'; END IF; "
+        "RETURN NEW; END $$ LANGUAGE plpgsql",
+        "CREATE TRIGGER poison BEFORE INSERT ON usage_records FOR EACH ROW "
+        "EXECUTE FUNCTION poison()",
+    ],
+}
+
+
+async def test_a_record_the_database_refuses_is_dropped_not_retried_forever(
+    db_sessionmaker,
+) -> None:
+    async with db_sessionmaker() as session, session.begin():
+        for statement in _REFUSE_POISON[session.bind.dialect.name]:
+            await session.execute(text(statement))
+    settled: list[str] = []
+    writer = UsageWriter(db_sessionmaker, max_batch=10, on_written=settled.extend)
+    for i in range(3):
+        writer.record(_record(i, job_ids=(f"job_{i}",)))
+    writer.record(_record(0, request_id="req_poison", job_ids=("job_p",)))
+    for i in range(3, 6):
+        writer.record(_record(i, job_ids=(f"job_{i}",)))
+    # Retried whole, the batch failed forever and every later record waited behind it.
+    assert await writer.flush() is True
+    assert (writer.num_written, writer.num_dropped, writer.num_pending) == (6, 1, 0)
+    assert sorted(settled) == sorted([f"job_{i}" for i in range(6)] + ["job_p"])
+    rows = await _rows(db_sessionmaker)
+    assert sorted(r.request_id for r in rows) == [f"req_{i}" for i in range(6)]
+    # The hourly rollup holds what was written, each record once.
+    hourly = await _hourly(db_sessionmaker)
+    assert sum(v[0] for v in hourly.values()) == 6
+    await writer.aclose()
+
+
+async def test_a_batch_the_database_takes_none_of_is_kept(db_sessionmaker) -> None:
+    # Every record refused, one at a time too (a column the schema lacks, say): nothing
+    # tells a record apart from the others, so none is dropped.
+    async with db_sessionmaker() as session, session.begin():
+        await session.execute(text("ALTER TABLE usage_records RENAME TO usage_records_away"))
+    writer = UsageWriter(db_sessionmaker, max_batch=10)
+    for i in range(4):
+        writer.record(_record(i))
+    assert await writer.flush() is False
+    assert (writer.num_written, writer.num_dropped, writer.num_pending) == (0, 0, 4)
+    async with db_sessionmaker() as session, session.begin():
+        await session.execute(text("ALTER TABLE usage_records_away RENAME TO usage_records"))
+    await writer.aclose()
+    assert [r.request_id for r in await _rows(db_sessionmaker)] == [f"req_{i}" for i in range(4)]
+
+
+async def test_a_cost_beyond_the_column_is_billed_at_its_most(db_sessionmaker) -> None:
+    # A price set before the admin API capped prices (1e12 per million tokens).
+    prices = TokenPrices(1e12, 1e12)
+    assert prices.cost_nanos(10_000, 0) == 2**63 - 1
+    writer = UsageWriter(db_sessionmaker)
+    writer.record(_record(1, prompt_tokens=10_000, prices=prices))
+    writer.record(_record(2))
+    await writer.aclose()
+    rows = await _rows(db_sessionmaker)
+    assert (rows[0].request_id, rows[0].cost_nanos) == ("req_1", 2**63 - 1)
+    assert len(rows) == 2
 
 
 async def _hourly(sessionmaker) -> dict[tuple, tuple]:
