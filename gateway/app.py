@@ -207,7 +207,7 @@ async def _build_router(
         stack.push_async_callback(dispatcher.aclose, 0.0)
         jobs = JobClient(queue.backend, poll_ms=RESULT_POLL_MS, on_enqueue=dispatcher.notify)
         model = engine
-        telemetry.watch_workers(local_worker_probe(engine))
+        telemetry.watch_workers(local_worker_probe(engine, dispatcher.worker_id))
     else:
         from gateway.model_info import load_model_card
 

@@ -407,8 +407,15 @@ def _run_server(app: Any, settings: Settings, listener: socket.socket) -> int:
                 )
 
     # Bounded request heads: an unauthenticated client cannot exhaust memory or sockets.
+    # log_config=None: uvicorn's own lines go through the handler _configure_logging set
+    # (JSON lines off a terminal), not through uvicorn's plain-text one.
     config = uvicorn_config(
-        app, host=settings.host, port=settings.port, log_level="info", access_log=False
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="info",
+        access_log=False,
+        log_config=None,
     )
     server = Server(config)
     # As uvicorn.run ends: a ^C after a graceful shutdown is no error, and 3 is its status

@@ -16,8 +16,6 @@ from gateway.observability.telemetry import QueueProbe, Telemetry, TierLike, Wor
 
 log = logging.getLogger(__name__)
 
-LOCAL_WORKER_ID = "local"
-
 
 class _DepthAndTotals:
     """A queue probe that also carries the queue's totals (Telemetry reads `totals`)."""
@@ -50,14 +48,15 @@ def queue_depth_probe(queue: Any) -> QueueProbe:
     return total
 
 
-def local_worker_probe(engine: Any) -> WorkerProbe:
-    """The in-process engine as the one worker, through its `stats()` snapshot."""
+def local_worker_probe(engine: Any, worker_id: str) -> WorkerProbe:
+    """The in-process engine as the one worker, through its `stats()` snapshot, under
+    the id its dispatcher has in the queue (`/admin/v1/queues` lists it so)."""
     stats = getattr(engine, "stats", None)
     if not callable(stats):
         return dict
 
     def probe() -> Mapping[str, Any]:
-        return {LOCAL_WORKER_ID: stats()}
+        return {worker_id: stats()}
 
     return probe
 

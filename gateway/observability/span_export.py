@@ -34,6 +34,7 @@ from typing import Any
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
+from gateway.observability.logs import configure_logging
 from gateway.observability.otlp import OtlpHttpSpanExporter, encode_records
 from gateway.observability.tracing import MAX_SPANS_PER_REQUEST, spans_of
 
@@ -222,7 +223,8 @@ def _post(
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    logging.basicConfig(level=logging.WARNING, format="span-export: %(message)s")
+    # As the gateway logs: JSON lines into the same stream, unless it is a terminal.
+    configure_logging(logging.WARNING, is_json=not sys.stderr.isatty())
     try:
         os.nice(EXPORT_NICENESS)
     except OSError as exc:  # not allowed here: export at the gateway's priority

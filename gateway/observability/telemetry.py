@@ -80,7 +80,12 @@ HISTOGRAMS = (
 # series repeat on every gateway: summed across gateways they would count N times over.
 SAME_ON_EVERY_GATEWAY = "every gateway reports the same value: take max, not sum, across gateways"
 FLEET_QUEUE_NOTE = f" (fleet-wide, the shared queue; {SAME_ON_EVERY_GATEWAY})"
-WORKER_NOTE = f" (each worker's latest report; {SAME_ON_EVERY_GATEWAY})"
+# A gateway without an engine reports every worker's latest report; a `serve` process
+# its own engine only, under its worker id. Either way one worker's series is the same
+# wherever it is read from.
+WORKER_NOTE = (
+    " (per worker, as the queue lists them: take max per worker label, not sum, across gateways)"
+)
 
 # The usage writer's counts (gateway.usage.UsageWriter), per gateway: records it wrote,
 # records it lost (buffer full while the database was away), records not yet written.
@@ -437,7 +442,9 @@ class Telemetry:
                 histograms.record(TPOT, record.tier, tpot)
             if record.queue_wait_ms is not None:
                 histograms.record(QUEUE_WAIT, record.tier, record.queue_wait_ms)
-            if refusal_code is None:
+            if refusal_code is None and not is_mistake:
+                # A request the service ran; a refusal's or a bad request's sub-millisecond
+                # answer would pull the tier's end-to-end percentiles down.
                 histograms.record(E2E, record.tier, record.e2e_ms)
         trace = self._open_traces.get(record.request_id)
         if trace is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import socket
@@ -205,12 +206,23 @@ def test_serve_demo_prints_working_keys(tmp_path: Path) -> None:
             )
             assert ran.returncode == 0, (snippet, ran.stdout, ran.stderr)
             assert "completion_tokens" in ran.stdout or '"choices"' in ran.stdout, ran.stdout
+        with socket.create_connection(("127.0.0.1", port)) as raw:
+            raw.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+            raw.recv(1024)
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
-        if proc.stdout is not None:
-            proc.stdout.close()
+        rest = proc.communicate(timeout=30)[0]
     assert (tmp_path / "tiergate.db").is_file()
+    # Logs off a terminal are JSON lines, uvicorn's own included (they were plain text
+    # in the same stream).
+    server_lines = [
+        line
+        for line in (output + rest).splitlines()
+        if any(m in line for m in ("Started server", "Invalid HTTP request", "Shutting down"))
+    ]
+    assert len(server_lines) >= 3, output + rest
+    for line in server_lines:
+        assert json.loads(line)["logger"].startswith("uvicorn"), line
 
 
 def test_a_second_serve_on_the_same_data_dir_is_refused(tmp_path: Path) -> None:

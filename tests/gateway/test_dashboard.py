@@ -206,9 +206,10 @@ def test_dashboard_shows_live_data_and_edits_a_tier(
         tenants = {t["tenant_id"] for t in browser.evaluate("window.tiergate.live.top_tenants")}
         assert live_server.tenant_ids["interactive"] in tenants
         workers = browser.evaluate("window.tiergate.live.workers")
-        assert [w["id"] for w in workers] == ["local"]
-        # The fleet's workers (here the one in this process) as the queue reports them.
+        # The fleet's workers (here the one in this process) as the queue reports them,
+        # under the same id.
         [worker] = browser.evaluate("window.tiergate.queues.workers.data")
+        assert [w["id"] for w in workers] == [worker["id"]]
         row = f'#workers-table tr[data-worker="{worker["id"]}"]'
         cells = browser.wait_for(
             f"(() => {{ const r = document.querySelector('{row}');"

@@ -104,6 +104,9 @@ def test_requests_refusals_and_latencies_are_counted(live_server: LiveServer) ->
         assert grown(name, tier="interactive") >= 3, (
             histogram
         )  # tpot needs >= 2 output tokens; 4 were asked
+    # End to end: the 5 requests served; not the 2 bad ones nor the refused one, whose
+    # sub-millisecond answers would pull the tier's percentiles down.
+    assert grown("tiergate_e2e_milliseconds_count", tier="interactive") == 5
     inf = value(after, "tiergate_ttft_milliseconds_bucket", tier="interactive", le="+Inf")
     assert inf == value(after, "tiergate_ttft_milliseconds_count", tier="interactive")
     # Refusals count as misses; attainment is a share.
@@ -122,7 +125,11 @@ def test_engine_and_queue_gauges_are_read_when_scraped(live_server: LiveServer) 
     for tier in ("priority", "interactive", "batch"):
         assert ("tiergate_queue_depth", frozenset({("tier", tier)})) in samples
     stats = live_server.engine.stats()
-    worker = frozenset({("worker", "local")})
+    # Under the worker id the queue lists (a second `serve` on the same Redis is another
+    # worker, not the same "local" series).
+    with live_server.admin() as admin:
+        [listed] = admin.get("/queues").json()["workers"]["data"]
+    worker = frozenset({("worker", listed["id"])})
     assert samples[("tiergate_engine_step_token_budget", worker)] == stats.step_token_budget
     assert 0.0 <= samples[("tiergate_engine_kv_cache_utilization", worker)] <= 1.0
     for name in (
@@ -133,7 +140,7 @@ def test_engine_and_queue_gauges_are_read_when_scraped(live_server: LiveServer) 
     ):
         assert (name, worker) in samples, name
     rates = {labels for name, labels in samples if name == "tiergate_engine_token_rate_per_second"}
-    assert frozenset({("worker", "local"), ("phase", "decode")}) in rates
+    assert frozenset({("worker", listed["id"]), ("phase", "decode")}) in rates
 
 
 def test_tenant_labels_stay_bounded() -> None:
