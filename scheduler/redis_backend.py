@@ -472,13 +472,13 @@ class RedisBackend:
         return None if status is None else JobStatus(status)
 
     async def job_progress(self, job_ids: Sequence[str]) -> list[JobProgress]:
-        """Each job's tokens counted as its stream's entries (one per engine step, each
-        of one token while it decodes), without reading them all."""
+        """Each job's tokens as the publishing scripts counted them (its hash's `nt`;
+        a stream entry may hold several steps' tokens), without reading the stream."""
         k = self._keys
         with unavailable_as_error():
             async with self._redis.pipeline(transaction=False) as pipe:
                 for job_id in job_ids:
-                    pipe.hmget(k.job(job_id), "st", "dec", "gw")
+                    pipe.hmget(k.job(job_id), "st", "dec", "gw", "nt")
                     pipe.xlen(k.results(job_id))
                     pipe.xrange(k.results(job_id), count=1)
                     pipe.xrevrange(k.results(job_id), count=1)
@@ -488,17 +488,24 @@ class RedisBackend:
         gone = {g for g, presence in zip(gateways, presences, strict=True) if presence != "up"}
         out = []
         for i, job_id in enumerate(job_ids):
-            (status, max_tokens, gateway), num_entries, first, last = replies[4 * i : 4 * i + 4]
+            (status, max_tokens, gateway, num_tokens), num_entries, first, last = replies[
+                4 * i : 4 * i + 4
+            ]
             if status is None:
                 continue
-            ended = status not in (JobStatus.QUEUED, JobStatus.LEASED)
+            if num_tokens is None:
+                # Published by a worker of the release before, which kept no count: its
+                # entries, less the done or error event (a cancel writes none), one token
+                # each as it decodes (a batched entry holds more: an overestimate of the
+                # time left).
+                ended = status not in (JobStatus.QUEUED, JobStatus.LEASED)
+                num_tokens = max(0, int(num_entries) - ended)
             out.append(
                 JobProgress(
                     job_id,
                     JobStatus(status),
                     max_tokens=int(max_tokens or 0),
-                    # Less its done or error event (a cancel writes none).
-                    num_tokens=max(0, int(num_entries) - ended),
+                    num_tokens=int(num_tokens),
                     first_token_ms=int(first[0][0].split("-")[0]) if first else None,
                     last_token_ms=int(last[0][0].split("-")[0]) if last else None,
                     is_orphaned=gateway in gone,

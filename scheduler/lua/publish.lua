@@ -18,6 +18,10 @@ for i, name in ipairs(names) do
   end
 end
 local sid = emit(id, ARGV[11], fields)
+if kind == 'tokens' and ARGV[6] ~= '' then  -- the tokens streamed (publish_step.lua)
+  local _, num_commas = string.gsub(ARGV[6], ',', '')
+  redis.call('HINCRBY', K.job .. id, 'nt', num_commas + 1)
+end
 if kind == 'done' then
   finish(id, h[3], 'done', ARGV[12])
 elseif kind == 'error' then

@@ -8,7 +8,8 @@
 --       14 queue wait ms or '' (on the step's first event; see ResultEvent),
 --       15 the tokens' log-probabilities (scheduler/logprobs.py) or ''
 -- Stream entry fields: k kind, q queue wait, t token ids, x text, l log-probabilities,
---       f finish reason.
+--       f finish reason. The job hash's 'nt' counts the tokens streamed (an entry holds
+--       a step's, or several steps' when the worker batches them).
 -- Returns: 1 when published, 0 when the worker no longer holds the job (nothing written).
 local id = ARGV[3]
 local h = redis.call('HMGET', K.job .. id, 'st', 'wk', 'tier', 'tenant', 'w')
@@ -34,6 +35,7 @@ if ARGV[5] ~= '' or ARGV[6] ~= '' then
     fields[#fields + 1] = ARGV[15]
   end
   emit(id, ARGV[12], fields)
+  redis.call('HINCRBY', K.job .. id, 'nt', tonumber(ARGV[7]))
   charge(h[3], h[4], tonumber(h[5]), 0, tonumber(ARGV[7]), tonumber(ARGV[8]),
     tonumber(ARGV[9]), tonumber(ARGV[2]), tonumber(ARGV[10]))
 end
