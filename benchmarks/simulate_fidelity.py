@@ -8,13 +8,12 @@
 3. real: a server process (`build_app`: gateway, in-memory queue, dispatcher, engine with
    the built-in model on CPU, its steps logged); the request path measured on it idle
    (send to prefill, step end to client); a calibration replay (another draw of the
-   workload) whose step cycles give preset "serving" (with their step noise, and once
-   more without: "serving, no noise"); then the trace, open loop, from
+   workload) whose step cycles give preset "serving"; then the trace, open loop, from
    this process, one tenant per trace tenant, every request a streamed completion, TTFT
    and TPOT measured client-side as the architecture defines them;
 4. sim: the same trace through the simulator (policy `tiered`, one engine) with each
    preset (and with "serving" fitted on the measured replay's own steps), the request
-   path added; with step noise, each figure is the median over `--noise-draws` draws;
+   path added;
 5. the table: P50/P99 TTFT and TPOT per tier and overall, output tokens/s, with the
    relative error and pass/fail (15% for latencies, 10% for throughput), the measured
    step cycles against each preset's prediction, and the spread over `--repeats`.
@@ -53,14 +52,7 @@ from typing import Any
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
-from scheduler.sim.cost_model import (  # noqa: E402
-    CostModelError,
-    RooflineParams,
-    fit_roofline,
-    load_params,
-    save_params,
-    with_step_noise,
-)
+from scheduler.sim.cost_model import RooflineParams, fit_roofline, load_params  # noqa: E402
 from scheduler.sim.fidelity import (  # noqa: E402
     OK,
     Check,
@@ -75,7 +67,6 @@ from scheduler.sim.fidelity import (  # noqa: E402
     decode_cycles_by_batch,
     format_counts,
     format_table,
-    median_summary,
     outcome_of,
     read_trace,
     request_path_in_service,
@@ -87,7 +78,6 @@ from scheduler.sim.fidelity import (  # noqa: E402
     write_trace,
 )
 from scheduler.sim.fleet import FleetSpec, SimOptions, simulate  # noqa: E402
-from scheduler.sim.step_noise import PROBABILITIES  # noqa: E402
 from scheduler.sim.workload import (  # noqa: E402
     LengthDist,
     TenantSpec,
@@ -516,7 +506,6 @@ class RunResult:
     lag_max_ms: float
     wall_s: float
     load_avg: tuple[float, float]
-    noise_draws: int  # simulations per preset with step noise (their medians)
 
 
 def _text_ids() -> list[int]:
@@ -542,17 +531,12 @@ def _serving_calibration(
 ) -> Calibration:
     """The same roofline fitted to the engine's step cycles in service (averaged per kind
     of step), so that the host work of serving (streaming each token through the event
-    loop, the interpreter shared with it) is in the fit; then how the cycles, in the
-    order they ran, scatter around it (the step noise)."""
+    loop, the interpreter shared with it) is in the fit."""
     from scheduler.sim.calibrate import mean_by_shape
 
-    cycles = cycle_samples(steps)
-    fit = fit_roofline(base, mean_by_shape(cycles))
-    try:
-        params = with_step_noise(fit.params, cycles)
-    except CostModelError:  # too short a replay to tell a tail: no noise, as the report says
-        params = fit.params
-    return Calibration(source, params, fit.mean_abs_rel_error, fit.num_samples)
+    samples = mean_by_shape(cycle_samples(steps))
+    fit = fit_roofline(base, samples)
+    return Calibration(source, fit.params, fit.mean_abs_rel_error, fit.num_samples)
 
 
 def _read_steps(path: Path, skip: int = 0) -> list[LoggedStep]:
@@ -567,20 +551,14 @@ def _simulate(
     path: RequestPath,
     args: argparse.Namespace,
 ) -> Summary:
-    """The trace through the simulator; with step noise, the median of `--noise-draws`
-    simulations that differ only in the noise's draw (one draw's P99 is a lottery)."""
-    draws = args.noise_draws if calibration.params.step_noise is not None else 1
-    summaries = []
-    for draw in range(draws):
-        result = simulate(
-            replace(spec, seed=spec.seed + draw),  # the seed of the noise: the trace is given
-            "tiered",
-            _fleet(calibration.params, args.max_model_len),
-            SimOptions(drain_s=600.0, keep_records=True),
-            requests=sim_requests(trace, spec, path),
-        )
-        summaries.append(summarize([outcome_of(r, path) for r in result.collector.records]))
-    return median_summary(summaries)
+    result = simulate(
+        spec,
+        "tiered",
+        _fleet(calibration.params, args.max_model_len),
+        SimOptions(drain_s=600.0, keep_records=True),
+        requests=sim_requests(trace, spec, path),
+    )
+    return summarize([outcome_of(r, path) for r in result.collector.records])
 
 
 def _probe_request_path(port: int, key: str, text_ids: list[int], step_log: Path) -> RequestPath:
@@ -680,12 +658,7 @@ def run_once(args: argparse.Namespace, index: int, out: Path) -> RunResult:
     # The same fit to the measured replay's own steps: no prediction, but it shows how
     # much of the error is the machine's speed drifting between calibration and run.
     same_run = _serving_calibration(steps, measured.params, "serving, same run")
-    # The prediction without noise, for how much of the tails the noise brings.
-    quiet = replace(
-        serving, source="serving, no noise", params=replace(serving.params, step_noise=None)
-    )
-    calibrations = {c.source: c for c in (measured, serving, quiet, same_run)}
-    save_params(serving.params, out / f"serving-{index}.json")  # a preset for `simulate`
+    calibrations = {c.source: c for c in (measured, serving, same_run)}
     # 4. the simulator, same trace, once per calibration
     sims = {name: _simulate(spec, trace, c, loaded_path, args) for name, c in calibrations.items()}
     return RunResult(
@@ -702,19 +675,6 @@ def run_once(args: argparse.Namespace, index: int, out: Path) -> RunResult:
         lags[-1] * 1000,
         time.perf_counter() - started,
         (load_before, os.getloadavg()[0]),
-        args.noise_draws,
-    )
-
-
-def _noise_line(params: RooflineParams, draws: int) -> str:
-    noise = params.step_noise
-    if noise is None:
-        return "step noise: none (every step takes the predicted time)"
-    q = dict(zip(PROBABILITIES, noise.quantiles, strict=True))
-    return (
-        f"step noise: multipliers P1 {q[0.01]:.2f}, P50 {q[0.5]:.2f}, P99 {q[0.99]:.2f}, "
-        f"P99.9 {q[0.999]:.2f}, autocorrelation {noise.autocorr:.3f}; figures are the "
-        f"medians of {draws} draws"
     )
 
 
@@ -744,7 +704,6 @@ def _report(run: RunResult, index: int) -> str:
             f"{p.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s, compute "
             f"{p.compute_efficiency:.3f} × {p.peak_flops_per_s / 1e9:.1f} GFLOP/s, "
             f"mean error {cal.mean_abs_rel_error:.1%} over {cal.num_samples} steps",
-            _noise_line(p, run.noise_draws),
             "",
             "measured replay's step cycles: "
             + "; ".join(
@@ -780,7 +739,6 @@ def _as_json(run: RunResult) -> dict[str, Any]:
         "lag_p99_ms": run.lag_p99_ms,
         "lag_max_ms": run.lag_max_ms,
         "load_avg": run.load_avg,
-        "noise_draws": run.noise_draws,
         "real": _summary_json(run.real),
         "by_calibration": {
             name: {
@@ -840,9 +798,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="calibrate-replay-simulate runs")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the engine")
     parser.add_argument("--calibration", help="a calibration JSON of an earlier run (skip it)")
-    parser.add_argument(
-        "--noise-draws", type=int, default=5, help="simulations per preset with step noise"
-    )
     parser.add_argument("--max-model-len", type=int, default=2048, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=Path("fidelity-out"))
     # Internal: the server and calibration processes.

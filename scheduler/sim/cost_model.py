@@ -19,7 +19,6 @@ from importlib import resources
 from pathlib import Path
 
 from engine.step_scheduler import SchedulerConfig
-from scheduler.sim.step_noise import StepNoise, StepNoiseError, fit_step_noise
 
 
 class CostModelError(ValueError):
@@ -101,15 +100,8 @@ class RooflineParams:
     max_num_batched_tokens: int = 1024
     max_prefill_chunk_tokens: int | None = None
     description: str = ""
-    # How real steps scatter around the prediction (step_noise.py); None: every step
-    # takes exactly the predicted time.
-    step_noise: StepNoise | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.step_noise, dict):  # as read from a parameter file
-            object.__setattr__(self, "step_noise", _step_noise_of(self.step_noise))
-        elif self.step_noise is not None and not isinstance(self.step_noise, StepNoise):
-            raise CostModelError("step_noise must be an object or null")
         for name in ("name", "description"):
             if not isinstance(getattr(self, name), str):
                 raise CostModelError(f"{name} must be a string")
@@ -223,19 +215,6 @@ class RooflineParams:
         if missing:
             raise CostModelError(f"the cost model misses fields: {', '.join(missing)}")
         return cls(**data)  # type: ignore[arg-type]
-
-
-def _step_noise_of(data: dict[str, object]) -> StepNoise:
-    unknown = sorted(set(data) - {"quantiles", "autocorr"})
-    if unknown:
-        raise CostModelError(f"unknown step_noise fields: {', '.join(map(str, unknown))}")
-    quantiles = data.get("quantiles")
-    if not isinstance(quantiles, list):
-        raise CostModelError("step_noise.quantiles must be a list of numbers")
-    try:
-        return StepNoise(tuple(quantiles), data.get("autocorr", 0.0))  # type: ignore[arg-type]
-    except StepNoiseError as exc:
-        raise CostModelError(str(exc)) from None
 
 
 def _number(value: object) -> float:
@@ -524,21 +503,6 @@ def _fit(base: RooflineParams, usable: Sequence[StepSample]) -> FitResult | None
     )
     rel = [abs(fitted.shape_time_s(s.shape) - s.step_s) / s.step_s for s in usable]
     return FitResult(fitted, sum(rel) / len(rel), len(usable))
-
-
-def with_step_noise(params: RooflineParams, samples: Sequence[StepSample]) -> RooflineParams:
-    """`params` with the step noise of `samples` (in the order the steps ran) around its
-    predictions: a serving engine's step cycles, whose slow stretches make the tails
-    (see step_noise.py)."""
-    ratios = [
-        s.step_s / params.shape_time_s(s.shape)
-        for s in samples
-        if s.shape.num_batched_tokens > 0 and s.step_s > 0
-    ]
-    try:
-        return replace(params, step_noise=fit_step_noise(ratios))
-    except StepNoiseError as exc:
-        raise CostModelError(str(exc)) from None
 
 
 class _OverheadFit:

@@ -20,7 +20,6 @@ from engine.request import FinishReason, Priority, Request, SamplingParams
 from engine.step_scheduler import SchedulerConfig, StepPlan, StepScheduler
 from engine.stop_hazard import StopCurve, StopHazard, age_bucket, count_ages, new_step_counts
 from scheduler.sim.cost_model import DEFAULT_MAX_MODEL_LEN, RooflineParams
-from scheduler.sim.step_noise import NoiseStream
 
 # Prompts are token id 1 repeated (all prompts alike would only matter to the prefix
 # cache, which the simulator turns off: sharing is a property of real text).
@@ -94,16 +93,8 @@ class SimEngine:
         *,
         max_model_len: int = DEFAULT_MAX_MODEL_LEN,
         report_outputs: bool = True,
-        noise_seed: str = "",
     ) -> None:
         self.engine_id = engine_id
-        # Each step's multiplier of its predicted time, by step index, when the params
-        # carry step noise (the same seed gives every policy of a comparison the same).
-        self._noise = (
-            NoiseStream(params.step_noise, f"{noise_seed}:{engine_id}")
-            if params.step_noise is not None
-            else None
-        )
         self.report_outputs = report_outputs
         self.params = params
         self.mode = mode
@@ -225,9 +216,6 @@ class SimEngine:
         duration_s = self.params.step_time_s(
             plan.num_batched_tokens, num_kv, pairs, len(plan.chunks)
         )
-        if self._noise is not None:
-            duration_s *= self._noise.at(self.num_steps)
-            self._noise.forget_before(self.num_steps)
         if self.cost_model is not None:
             self.cost_model.observe(plan.num_batched_tokens, len(plan.chunks), duration_s)
         self.rates.record(
@@ -348,17 +336,10 @@ class SimEngine:
         compute_rate = params.compute_efficiency * params.peak_flops_per_s
         offsets = []
         elapsed = 0.0
-        noise = self._noise
-        first = self.num_steps
-        if noise is not None:
-            noise.forget_before(first)
-        for i in range(num_steps):
+        for _ in range(num_steps):
             memory_s = (weight_bytes + kv_bytes * kv) / memory_rate
             compute_s = (token_flops + pair_flops * kv) / compute_rate
-            step_s = overhead + (memory_s if memory_s >= compute_s else compute_s)
-            if noise is not None:
-                step_s *= noise.at(first + i)  # as start_step gives step first + i
-            elapsed += step_s
+            elapsed += overhead + (memory_s if memory_s >= compute_s else compute_s)
             offsets.append(elapsed)
             kv += n
         return offsets

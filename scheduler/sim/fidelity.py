@@ -17,7 +17,7 @@ import json
 import math
 import statistics
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -275,28 +275,6 @@ def summarize(outcomes: Sequence[Outcome], *, first_arrival_s: float = 0.0) -> S
     tokens = sum(o.num_output_tokens for o in done)
     span = max((o.finish_s for o in done), default=first_arrival_s) - first_arrival_s  # type: ignore[type-var]
     return Summary(groups, tokens, span, tokens / span if span > 0 else 0.0)
-
-
-def median_summary(summaries: Sequence[Summary]) -> Summary:
-    """Each figure's median over simulations of one trace that differ only in their step
-    noise's draw (their counts are the same). One draw's P99 is one draw: on two CPU
-    cores it moved between 0.6x and 1.8x of the median from one draw to the next."""
-    if not summaries:
-        raise ValueError("no summaries")
-    first = summaries[0]
-    groups = {}
-    for name, group in first.groups.items():
-        medians = {}
-        for metric in LATENCY_METRICS:
-            values = [v for s in summaries if (v := getattr(s.groups[name], metric)) is not None]
-            medians[metric] = statistics.median(values) if values else None
-        groups[name] = replace(group, **medians)
-    return Summary(
-        groups,
-        first.num_output_tokens,
-        statistics.median(s.span_s for s in summaries),
-        statistics.median(s.output_tokens_per_s for s in summaries),
-    )
 
 
 # ---- the comparison ----------------------------------------------------------------------

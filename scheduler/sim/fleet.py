@@ -212,7 +212,6 @@ class _Fleet:
                 max_model_len=fleet.max_model_len,
                 # Charging step by step needs each step's tokens per request.
                 report_outputs=options.charge_interval_s <= 0,
-                noise_seed=str(workload.seed),
             )
             for i in range(fleet.num_engines)
         ]
