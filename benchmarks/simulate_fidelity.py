@@ -26,7 +26,7 @@ which is what the trace and the client's timing need; the compute of every step 
 untouched. See docs/simulate.md, "Fidelity".
 
     python benchmarks/simulate_fidelity.py [--load 0.7] [--duration 60] [--repeats 3]
-        [--out fidelity-out]
+        [--same-trace] [--out fidelity-out]
 """
 
 from __future__ import annotations
@@ -601,7 +601,9 @@ def run_once(args: argparse.Namespace, index: int, out: Path) -> RunResult:
     # 1. calibration, in a process of its own
     measured = _measure_calibration(args, out / f"calibration-{index}.json")
     text_ids = _text_ids()
-    seed = args.seed + 100 * index
+    # --same-trace: every repeat replays the first one's trace (its seed and rate), so
+    # the spread shows how far the real system moves between identical runs.
+    seed = args.seed + (0 if args.same_trace else 100 * index)
     token = secrets.token_urlsafe(16)
     step_log = out / f"steps-{index}.jsonl"
     with tempfile.TemporaryDirectory() as tmp:
@@ -618,6 +620,8 @@ def run_once(args: argparse.Namespace, index: int, out: Path) -> RunResult:
             tiers = server_tiers(url, token)
             spec = workload_spec(tiers, 1.0, args.duration, seed)
             rate = args.rate or rate_for_load(spec, measured.params, args.max_model_len, args.load)
+            if args.same_trace:
+                args.rate = rate
             spec = spec.with_rate(rate)
             trace = trace_of(generate(spec))
             trace_path = out / f"trace-{index}.jsonl"
@@ -771,6 +775,24 @@ def _spread(runs: list[RunResult]) -> str:
     """Per figure and calibration, the relative error of each run: how much the verdict
     moves from run to run on a shared machine."""
     lines = ["## spread over runs", ""]
+    if len({tuple(run.trace) for run in runs}) == 1:
+        # One trace replayed: the real system against its own first run, the floor
+        # under any simulator's error.
+        lines += [
+            "### the real system against its first run (same trace)",
+            "",
+            "| group | metric | differences |",
+            "|---|---|---|",
+        ]
+        for c in compare(runs[0].real, runs[0].real):
+            again = [compare(runs[0].real, run.real) for run in runs[1:]]
+            diffs = [
+                next(d for d in checks if (d.group, d.metric) == (c.group, c.metric))
+                for checks in again
+            ]
+            shown = ", ".join("-" if d.rel_error is None else f"{d.rel_error:+.0%}" for d in diffs)
+            lines.append(f"| {c.group} | {c.metric} | {shown} |")
+        lines.append("")
     for name in runs[0].calibrations:
         table: dict[tuple[str, str], list[Check]] = {}
         for run in runs:
@@ -798,6 +820,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="calibrate-replay-simulate runs")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the engine")
     parser.add_argument("--calibration", help="a calibration JSON of an earlier run (skip it)")
+    parser.add_argument(
+        "--same-trace", action="store_true", help="every repeat replays the first one's trace"
+    )
     parser.add_argument("--max-model-len", type=int, default=2048, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=Path("fidelity-out"))
     # Internal: the server and calibration processes.
