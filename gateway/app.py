@@ -277,6 +277,7 @@ async def _build_router(
         openai=openai,
         dispatcher=jobs,
         stack=stack,
+        restore_tiers=sync.push_tiers,
     )
     routes += metrics_routes(telemetry)
     if settings.admin_token:

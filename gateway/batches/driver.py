@@ -20,10 +20,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import secrets
 import socket
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from engine.errors import EngineDeadError, RequestAbortedError
@@ -91,10 +93,16 @@ class BatchDriver:
         runner: LineRunner,
         tiers: TierCatalog,
         config: DriverConfig | None = None,
+        *,
+        on_unknown_tier: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
+        """`on_unknown_tier` copies the tier table from SQL into the queue again (the
+        queue lost it: Redis restarted empty), as admission does for a request."""
         self._store = store
         self._runner = runner
         self._tiers = tiers
+        self._on_unknown_tier = on_unknown_tier
+        self._tiers_restored_s = -math.inf  # monotonic time of the last restore_tiers
         self.config = config or DriverConfig()
         # Host and pid say which process drives a batch (an operator reads it in SQL).
         self.owner_id = f"{socket.gethostname()[:32]}:{os.getpid()}:{secrets.token_hex(6)}"
@@ -104,6 +112,18 @@ class BatchDriver:
         self._failures: dict[str, tuple[int, float]] = {}
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
+
+    async def restore_tiers(self) -> None:
+        """Copy the tier table into the queue again, at most once a second however many
+        lines met its absence; a failure is logged (the lines stay pending and retry)."""
+        now = time.monotonic()
+        if self._on_unknown_tier is None or now - self._tiers_restored_s < 1.0:
+            return
+        self._tiers_restored_s = now
+        try:
+            await self._on_unknown_tier()
+        except Exception as exc:
+            log.warning("could not copy the tier table into the queue (%s)", type(exc).__name__)
 
     @property
     def batch_ids(self) -> list[str]:
@@ -342,12 +362,15 @@ class _BatchRun:
         except UnknownTierError as exc:
             # The batch's tier left the queue's table (deleted, or Redis restarted
             # empty): not the line's fault. It stays pending; the next pass reloads the
-            # tenant and tier (the tenant's own tier if the batch's is gone).
+            # tenant and tier (the tenant's own tier if the batch's is gone). The table
+            # goes back into the queue too: with no request of any other kind to do it,
+            # a batch-only fleet retried against the empty table until one came along.
             log.warning("batch %s: %s; reloading its tier", self.batch_id, exc)
             self.principal = None
             self.tier = None
             self.refused.append(line)
             self.refused_until_s = time.monotonic() + self.config.refused_backoff_s
+            await self.driver.restore_tiers()
             return
         except (QueueFullError, BackendUnavailableError) as exc:
             # Not the line's fault: it stays pending and is offered again after a pause,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Awaitable, Callable
 
 from sqlalchemy.ext.asyncio import async_sessionmaker
 from starlette.routing import BaseRoute
@@ -38,10 +39,12 @@ async def start_batch_api(
     openai: OpenAIRoutes,
     dispatcher: JobSubmitter,
     stack: contextlib.AsyncExitStack,
+    restore_tiers: Callable[[], Awaitable[None]] | None = None,
 ) -> list[BaseRoute]:
     """Start this gateway's batch driver (stopped by `stack`) and return the routes.
 
-    `dispatcher` is whatever the routes submit jobs through (submit/cancel). Call this
+    `dispatcher` is whatever the routes submit jobs through (submit/cancel);
+    `restore_tiers` copies the tier table into the queue again when it lost it. Call this
     after it is started, so that the driver stops first: its in-flight lines are aborted
     while the dispatcher still runs, and its leases are released.
     """
@@ -54,7 +57,9 @@ async def start_batch_api(
             max_body_bytes=settings.max_body_bytes,
         ),
     )
-    driver = BatchDriver(store, LineRunner(openai, dispatcher), tiers, config)
+    driver = BatchDriver(
+        store, LineRunner(openai, dispatcher), tiers, config, on_unknown_tier=restore_tiers
+    )
     driver.start()
     stack.push_async_callback(driver.aclose)
     deps = BatchDeps(

@@ -338,6 +338,26 @@ def test_full_batch_queue_leaves_lines_pending_and_retries_them(fleet: Fleet) ->
     assert max_depth == cap  # reached while the workers were paused, never passed
 
 
+def test_a_batch_puts_back_the_tier_table_a_restarted_redis_lost(fleet: Fleet) -> None:
+    # Redis restarted empty, as far as the tier table goes, and nothing but this batch
+    # runs: its lines met "tier not configured" again and again (14,000 log lines in
+    # 10 minutes) until a request of another kind put the table back.
+    _tenant_id, key = fleet.tenant()
+    keys = KeySpace(fleet.prefix)
+    store = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    try:
+        store.delete(keys.tiers, keys.tier_policy)
+        client = fleet.client(key)
+        batch = _wait_terminal(client, _submit(client, _lines()), timeout_s=60)
+        assert batch.status == "completed"
+        output, errors = _results(client, batch, NUM_LINES)
+        assert not errors
+        assert len(output) == NUM_LINES
+        assert store.hexists(keys.tiers, "batch")
+    finally:
+        store.close()
+
+
 def test_cancel_ends_the_batch_and_drains_its_jobs(fleet: Fleet) -> None:
     with fleet.admin() as admin:
         tenant_id, key = fleet.tenant(paced_tier(admin))
