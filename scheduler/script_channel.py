@@ -31,6 +31,12 @@ from redis import exceptions as redis_errors
 from redis.exceptions import ResponseError
 
 DEFAULT_TIMEOUT_S = 5.0
+# A reply timer that fires this much later than due says this process did not run for a
+# while (stopped, or starved of CPU), not that Redis was slow: the reply may sit in the
+# socket unread. The loop then gets STALL_GRACE_S to read it before Redis is blamed (a
+# gateway stopped for 12 s failed its streams with "Redis did not answer").
+STALL_S = 0.5
+STALL_GRACE_S = 0.5
 
 
 async def run_script(script: Any, channel: ScriptChannel | None, args: Sequence[object]) -> Any:
@@ -165,15 +171,27 @@ class ScriptChannel:
         if not protocol.outgoing:
             loop.call_soon(protocol.flush)  # this iteration's other commands join the write
         protocol.outgoing.append(packed)
+        due = loop.time() + self._timeout_s
+        timer = loop.call_at(due, self._expire, protocol, future, due)
         try:
-            async with asyncio.timeout(self._timeout_s):
-                return await future
-        except TimeoutError as exc:
-            # Replies are matched by order: with one missing, none after it can be trusted.
-            self._drop(protocol)
-            raise redis_errors.TimeoutError(
-                f"Redis did not answer within {self._timeout_s} s"
-            ) from exc
+            return await future
+        finally:
+            timer.cancel()
+
+    def _expire(self, protocol: _Protocol, future: asyncio.Future[Any], due: float | None) -> None:
+        """A reply's timer: fail the call and drop the connection, unless the reply came
+        or this process was the one not running (`due` given: see STALL_S)."""
+        if future.done():
+            return
+        loop = future.get_loop()
+        if due is not None and loop.time() - due > STALL_S:
+            loop.call_later(STALL_GRACE_S, self._expire, protocol, future, None)
+            return
+        future.set_exception(
+            redis_errors.TimeoutError(f"Redis did not answer within {self._timeout_s} s")
+        )
+        # Replies are matched by order: with one missing, none after it can be trusted.
+        self._drop(protocol)
 
     async def _connected(self) -> _Protocol:
         loop = asyncio.get_running_loop()

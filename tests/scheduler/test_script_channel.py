@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
 import uuid
 
 import pytest
@@ -182,6 +183,24 @@ async def test_a_silent_server_times_out_each_call() -> None:
             writer.close()
         server.close()
         await server.wait_closed()
+
+
+async def test_a_reply_that_came_while_this_process_stood_still_is_no_timeout() -> None:
+    # A gateway stopped past the reply timeout (SIGSTOP, a starved CPU) found the reply
+    # in its socket when it ran again, yet failed its streams with "Redis did not
+    # answer": the timer had fired in the same loop pass that read the reply.
+    async with channel_to(socket_timeout=0.2) as (client, channel):
+        echo = client.register_script(ECHO)
+        assert await channel.evalsha(echo.sha, echo.script, ["warm", 1]) == ["warm", 2]
+        call = asyncio.ensure_future(channel.evalsha(echo.sha, echo.script, ["x", 2]))
+        protocol = channel._protocol
+        while not protocol.pending or protocol.outgoing:  # noqa: ASYNC110 (until it is written)
+            await asyncio.sleep(0)
+        # The process does not run (the loop is held); Redis answers meanwhile.
+        time.sleep(0.9)  # noqa: ASYNC251
+        assert await call == ["x", 4]
+        assert await channel.evalsha(echo.sha, echo.script, ["y", 3]) == ["y", 6]
+        assert channel._protocol is protocol  # no timeout dropped the connection
 
 
 async def test_the_handshake_selects_the_database_of_the_url() -> None:
