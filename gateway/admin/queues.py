@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from gateway.errors import AuthenticationError, error_response
-from scheduler.backend import FleetCapacity, QueueBackend, QueueTotals, TierDepth, WorkerReport
+from scheduler.backend import QueueBackend, QueueTotals, TierDepth, WorkerReport
 
 log = logging.getLogger(__name__)
 
@@ -71,11 +71,12 @@ def totals_view(totals: QueueTotals) -> dict[str, int]:
 
 def queues_view(
     depth: Mapping[str, TierDepth],
-    capacity: FleetCapacity,
     workers: Sequence[WorkerReport] = (),
     totals: QueueTotals | None = None,
 ) -> dict:
-    """The JSON body of GET /admin/v1/queues."""
+    """The JSON body of GET /admin/v1/queues. The fleet's figures are the listed
+    workers' sums: read apart (fleet_capacity), a report renewed between the two reads
+    made them disagree with the list."""
     return {
         "object": "queues",
         "tiers": {
@@ -93,10 +94,10 @@ def queues_view(
             for tier, d in sorted(depth.items())
         },
         "workers": {
-            "live": capacity.num_workers,
-            "prefill_tokens_per_s": capacity.prefill_tokens_per_s,
-            "decode_tokens_per_s": capacity.decode_tokens_per_s,
-            "num_free_seqs": capacity.num_free_seqs,
+            "live": len(workers),
+            "prefill_tokens_per_s": sum(w.prefill_tokens_per_s for w in workers),
+            "decode_tokens_per_s": sum(w.decode_tokens_per_s for w in workers),
+            "num_free_seqs": sum(w.num_free_seqs for w in workers),
             "data": [worker_view(report) for report in workers],
         },
         "totals": totals_view(totals or QueueTotals()),
@@ -109,13 +110,10 @@ def queue_routes(backend: QueueBackend, admin_token: str) -> list[BaseRoute]:
     async def queues(request: Request) -> Response:
         try:
             _check_admin(admin_token, request)
-            depth, capacity, workers, totals = await asyncio.gather(
-                backend.depth(),
-                backend.fleet_capacity(),
-                backend.worker_reports(),
-                backend.totals(),
+            depth, workers, totals = await asyncio.gather(
+                backend.depth(), backend.worker_reports(), backend.totals()
             )
-            return JSONResponse(queues_view(depth, capacity, workers, totals))
+            return JSONResponse(queues_view(depth, workers, totals))
         except Exception as exc:
             return error_response(exc)
 

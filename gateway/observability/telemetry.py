@@ -84,7 +84,8 @@ FLEET_QUEUE_NOTE = f" (fleet-wide, the shared queue; {SAME_ON_EVERY_GATEWAY})"
 # its own engine only, under its worker id. Either way one worker's series is the same
 # wherever it is read from.
 WORKER_NOTE = (
-    " (per worker, as the queue lists them: take max per worker label, not sum, across gateways)"
+    " (each worker's latest report, under its id in /admin/v1/queues; take max, not sum, "
+    "across gateways)"
 )
 
 # The usage writer's counts (gateway.usage.UsageWriter), per gateway: records it wrote,
