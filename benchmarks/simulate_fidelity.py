@@ -784,14 +784,13 @@ def _spread(runs: list[RunResult]) -> str:
             "| group | metric | differences |",
             "|---|---|---|",
         ]
-        for c in compare(runs[0].real, runs[0].real):
-            again = [compare(runs[0].real, run.real) for run in runs[1:]]
-            diffs = [
-                next(d for d in checks if (d.group, d.metric) == (c.group, c.metric))
-                for checks in again
-            ]
+        table = {}
+        for run in runs[1:]:
+            for d in compare(runs[0].real, run.real):
+                table.setdefault((d.group, d.metric), []).append(d)
+        for (group, metric), diffs in table.items():
             shown = ", ".join("-" if d.rel_error is None else f"{d.rel_error:+.0%}" for d in diffs)
-            lines.append(f"| {c.group} | {c.metric} | {shown} |")
+            lines.append(f"| {group} | {metric} | {shown} |")
         lines.append("")
     for name in runs[0].calibrations:
         table: dict[tuple[str, str], list[Check]] = {}

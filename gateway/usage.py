@@ -496,7 +496,7 @@ class UsageWriter:
     async def _flush(self, batch: list[UsageRecord]) -> bool:
         try:
             kept = await self._unclaimed(batch)
-        except Exception as exc:  # Redis away: ask again with the next try
+        except Exception as exc:  # the claim check failed: ask again with the next try
             self._requeue(batch, exc)
             return False
         rest: list[UsageRecord] = []  # unwritten, for the next try
