@@ -89,13 +89,15 @@ WORKER_NOTE = (
 )
 
 # The usage writer's counts (gateway.usage.UsageWriter), per gateway: records it wrote,
-# records it lost (buffer full while the database was away), records not yet written.
+# records it lost (buffer full while the database was away, or one it cannot store),
+# records not yet written.
 USAGE_SERIES = {
     "num_written": ("tiergate.usage.records_written", "counter", "Usage records written"),
     "num_dropped": (
         "tiergate.usage.records_dropped",
         "counter",
-        "Usage records lost: the buffer was full while the database refused writes",
+        "Usage records lost: the buffer was full while the database refused writes, or "
+        "the database refused the record alone while it took others",
     ),
     "num_pending": (
         "tiergate.usage.records_pending",
