@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import operator
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, fields, replace
@@ -59,6 +60,29 @@ log = logging.getLogger(__name__)
 
 
 _MAX_COST_NANOS = 2**63 - 1  # usage_records.cost_nanos is a 64-bit integer
+_MAX_COST_SQL = literal_column(str(_MAX_COST_NANOS))
+# Inlined, not bound: PostgreSQL has `bigint >> integer` but no `bigint >> bigint`, the
+# type a bound Python int beside a BIGINT column would take.
+_HALF_BITS, _LOW_HALF = literal_column("32"), literal_column(str(2**32 - 1))
+
+
+def saturated_sum_sql(nanos: Any) -> ColumnElement[int]:
+    """SUM of a BIGINT column of costs (non-negative), exact up to the column's most and
+    that most beyond it, on both databases: SQLite's sum() fails on an overflow, and
+    PostgreSQL's is a NUMERIC that usage_hourly cannot hold. The high and low 32 bits
+    are summed apart (neither sum can overflow below 2^31 rows) and put together only
+    when the total fits."""
+    high = cast(func.sum(nanos.op(">>")(_HALF_BITS)), BigInteger)
+    low = cast(func.sum(nanos.op("&")(_LOW_HALF)), BigInteger)
+    carried = high + low.op(">>")(_HALF_BITS)
+    whole = carried * literal_column(str(2**32)) + low.op("&")(_LOW_HALF)
+    return func.coalesce(case((carried >= 2**31, _MAX_COST_SQL), else_=whole), 0)
+
+
+def _saturated_add(stored: Any, added: Any) -> ColumnElement[int]:
+    """stored + added for non-negative BIGINT costs, the column's most where it would
+    overflow (PostgreSQL fails, SQLite turns the sum into a REAL)."""
+    return case((stored > _MAX_COST_SQL - added, _MAX_COST_SQL), else_=stored + added)
 
 
 @dataclass(frozen=True)
@@ -216,7 +240,7 @@ def hourly_sums(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         counts[3] += input_tokens
         counts[4] += output_tokens
         counts[5] += bool(row["slo_met"])
-        counts[6] += row["cost_nanos"]
+        counts[6] = min(counts[6] + row["cost_nanos"], _MAX_COST_NANOS)
     return [
         {
             "hour": hour,
@@ -238,7 +262,12 @@ def _rollup_upsert(dialect: str) -> Insert:
     statement = dialects[dialect](table)
     return statement.on_conflict_do_update(
         index_elements=[table.c.hour, table.c.tenant_id, table.c.tier],
-        set_={name: table.c[name] + statement.excluded[name] for name in ROLLUP_COUNTS},
+        set_={
+            name: (_saturated_add if name == "cost_nanos" else operator.add)(
+                table.c[name], statement.excluded[name]
+            )
+            for name in ROLLUP_COUNTS
+        },
     )
 
 
@@ -336,7 +365,10 @@ def _cost_nanos_sql() -> ColumnElement[int]:
 
     served_in, served_out = billed_tokens_sql(u)
     price_in, price_out = price(t.price_input_per_mtok), price(t.price_output_per_mtok)
-    return cast(func.round(served_in * price_in * 1000 + served_out * price_out * 1000), BigInteger)
+    nanos = func.round(served_in * price_in * 1000 + served_out * price_out * 1000)
+    # At the column's most beyond it, as TokenPrices.cost_nanos (a price set before the
+    # admin API capped prices).
+    return case((nanos >= float(2**63), _MAX_COST_SQL), else_=cast(nanos, BigInteger))
 
 
 def _hour_sql(dialect: str, at: Any) -> ColumnElement:
@@ -391,7 +423,7 @@ async def rebuild_usage_rollup(session: AsyncSession, start: datetime, end: date
             total_if(u.c.outcome == "aborted"),
             *(total(billed) for billed in billed_tokens_sql(u.c)),
             total_if(u.c.slo_met),
-            total(u.c.cost_nanos),
+            saturated_sum_sql(u.c.cost_nanos),
         )
         .where(in_range, summed_sql(u.c))
         .group_by(literal_column("hour"), u.c.tenant_id, u.c.tier)

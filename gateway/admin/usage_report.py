@@ -37,7 +37,13 @@ from sqlalchemy.ext.asyncio import async_sessionmaker
 from sqlalchemy.sql.elements import ColumnElement
 
 from gateway.db.models import UsageHourly, UsageRow
-from gateway.usage import ROLLUP_COUNTS, billed_tokens_sql, hour_of, summed_sql
+from gateway.usage import (
+    ROLLUP_COUNTS,
+    billed_tokens_sql,
+    hour_of,
+    saturated_sum_sql,
+    summed_sql,
+)
 
 GROUPINGS = {"hour": timedelta(hours=1), "day": timedelta(days=1)}
 _WORK_MEM = "64MB"
@@ -175,8 +181,16 @@ def report_statement(dialect: str, query: UsageQuery, *, is_rollup_used: bool = 
             sums.c.period,
             sums.c.tenant_id,
             sums.c.tier,
-            # BIGINT, not PostgreSQL's NUMERIC for a sum of BIGINT (slow to decode).
-            *(cast(func.sum(sums.c[name]), BigInteger).label(name) for name in ROLLUP_COUNTS),
+            # BIGINT, not PostgreSQL's NUMERIC for a sum of BIGINT (slow to decode); the
+            # cost at the column's most, as the rollup holds it, where its sum would pass it.
+            *(
+                (
+                    saturated_sum_sql(sums.c[name])
+                    if name == "cost_nanos"
+                    else cast(func.sum(sums.c[name]), BigInteger)
+                ).label(name)
+                for name in ROLLUP_COUNTS
+            ),
         )
         .select_from(sums)
         .group_by(sums.c.period, sums.c.tenant_id, sums.c.tier)

@@ -266,6 +266,49 @@ async def test_a_request_is_priced_at_its_tiers_prices_when_it_ran(db_sessionmak
     assert await usage_report(db_sessionmaker, query) == [line]
 
 
+async def test_costs_beyond_a_64_bit_sum_saturate_and_lose_no_record(db_sessionmaker) -> None:
+    # Records priced before the admin API capped prices (1e12 per million tokens) cost the
+    # column's most each: two in one hour, written in separate batches (the rollup's
+    # upsert adds to a stored sum), and a third later that day. Summed, they pass 2^63.
+    most = 2**63 - 1
+    prices = TokenPrices(1e12, 1e12)
+
+    def dear(i: int, at: datetime) -> UsageRecord:
+        return UsageRecord(
+            f"req_{i}", "ten_a", "batch", "m", 10_000, 1, 1.0, 9.0, 19.0, "ok", at, prices=prices
+        )
+
+    cheap = UsageRecord("req_9", "ten_a", "batch", "m", 1, 1, 1.0, 9.0, 19.0, "ok", START)
+    await _write(db_sessionmaker, [dear(1, START), cheap], max_batch=10)
+    await _write(db_sessionmaker, [dear(2, START + timedelta(minutes=5))], max_batch=10)
+    await _write(db_sessionmaker, [dear(3, START + timedelta(hours=3))], max_batch=10)
+    async with db_sessionmaker() as session:
+        hourly = (await session.execute(select(UsageHourly.requests, UsageHourly.cost_nanos))).all()
+    assert sorted(hourly) == [(1, most), (3, most)]
+    day = UsageQuery(START, START + timedelta(days=1), group_by="day")
+    whole_and_edges = UsageQuery(
+        START - timedelta(minutes=30), START + timedelta(hours=3, minutes=30)
+    )
+    for query in (day, whole_and_edges):
+        lines = await usage_report(db_sessionmaker, query)
+        assert lines == await usage_report_from_records(db_sessionmaker, query)
+        assert sum(line.requests for line in lines) == 4
+        assert {line.cost for line in lines} == {most / 1e9}
+    # Summed again from the records, the hours come out the same, with a record written
+    # before costs were (migration 0008) priced now at a price from before the cap.
+    async with db_sessionmaker() as session, session.begin():
+        await session.execute(
+            update(UsageRow).where(UsageRow.request_id == "req_3").values(cost_nanos=None)
+        )
+        await session.execute(
+            update(Tier).where(Tier.name == "batch").values(price_input_per_mtok=1e12)
+        )
+        await rebuild_usage_rollup(session, day.start, day.end)
+    async with db_sessionmaker() as session:
+        again = (await session.execute(select(UsageHourly.requests, UsageHourly.cost_nanos))).all()
+    assert sorted(again) == sorted(hourly)
+
+
 def test_prices_of_up_to_three_decimals_are_exact_per_token() -> None:
     assert TokenPrices(0.075, 0.6).cost_nanos(3, 7) == 3 * 75 + 7 * 600
     # Finer prices round half away from zero, as SQL's round() in the migration does.
