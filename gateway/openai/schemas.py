@@ -205,16 +205,8 @@ def _options(data: dict[str, Any], *, chat: bool) -> GenerationOptions:
                 f"{penalty} must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g}.", param=penalty
             )
     _refuse_other_special_tokens(data, chat=chat)
-    for unsupported in _UNSUPPORTED:
-        if not _is_unset(data.get(unsupported)):
-            raise InvalidRequestError(f"{unsupported} is not supported.", param=unsupported)
-    # Fields that only have their default here: anything else would be silently ignored.
-    for name, defaults in _DEFAULT_ONLY.items():
-        value = data.get(name)
-        if value is not None and not any(_same_json(value, d) for d in defaults):
-            allowed = " or ".join(repr(d) for d in defaults)
-            but = f" except as {allowed}" if defaults else ""
-            raise InvalidRequestError(f"{name} is not supported{but}.", param=name)
+    if not _REFUSABLE.isdisjoint(data):  # one set operation for the usual body
+        _refuse_unsupported(data)
     return GenerationOptions(
         model=model,
         max_tokens=max_tokens,
@@ -237,6 +229,19 @@ def _options(data: dict[str, Any], *, chat: bool) -> GenerationOptions:
         user=_user(data),
         service_tier=_optional(data, "service_tier", str),
     )
+
+
+def _refuse_unsupported(data: dict[str, Any]) -> None:
+    for unsupported in _UNSUPPORTED:
+        if not _is_unset(data.get(unsupported)):
+            raise InvalidRequestError(f"{unsupported} is not supported.", param=unsupported)
+    # Fields that only have their default here: anything else would be silently ignored.
+    for name, defaults in _DEFAULT_ONLY.items():
+        value = data.get(name)
+        if value is not None and not any(_same_json(value, d) for d in defaults):
+            allowed = " or ".join(repr(d) for d in defaults)
+            but = f" except as {allowed}" if defaults else ""
+            raise InvalidRequestError(f"{name} is not supported{but}.", param=name)
 
 
 # Fields refused unless unset (null, false, empty): each asks for something this server
@@ -335,6 +340,7 @@ _DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "detokenize": (True,),
     "return_token_ids": (False,),  # vLLM's: adds the token ids to the response
 }
+_REFUSABLE = frozenset(_UNSUPPORTED) | _DEFAULT_ONLY.keys()
 MAX_COMPLETION_LOGPROBS = 5  # the text endpoint's cap
 MAX_TOP_LOGPROBS = 20  # chat's
 
