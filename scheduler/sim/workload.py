@@ -128,7 +128,8 @@ class TenantSpec:
 
 @dataclass(frozen=True)
 class Surge:
-    """The offered rate is multiplied by `multiplier` in [start_s, start_s + duration_s)."""
+    """The offered rate is multiplied by `multiplier` in [start_s, start_s + duration_s);
+    where surges overlap, their multipliers multiply."""
 
     start_s: float
     duration_s: float
@@ -206,12 +207,54 @@ class SimRequest:
         return self.num_output_tokens if self.max_tokens is None else self.max_tokens
 
 
-def _multiplier(spec: WorkloadSpec, t_s: float) -> float:
-    m = 1.0
-    for surge in spec.surges:
-        if surge.start_s <= t_s < surge.start_s + surge.duration_s:
-            m *= surge.multiplier
-    return m
+class _SurgeClock:
+    """Maps operational time to real time through the surges.
+
+    Operational time runs at the base rate everywhere: a stretch where the surges
+    multiply the rate by m takes m times as much of it per real second. The cumulative
+    multiplier M(t) = integral of m over [0, t] is piecewise linear (the surges make m
+    piecewise constant), so a renewal process drawn at the base rate in operational time
+    and mapped through M^-1 has rate base x m(t) exactly, and within each stretch its
+    gaps are the drawn ones scaled by 1/m, so a gamma process keeps its CV. Thinning a
+    stream drawn at a peak rate did neither: overlapping surges were capped at the
+    largest single multiplier, and thinning pushed gamma gaps towards Poisson.
+    """
+
+    def __init__(self, surges: tuple[Surge, ...]) -> None:
+        edges = sorted(
+            {0.0, *(s.start_s for s in surges), *(s.start_s + s.duration_s for s in surges)}
+        )
+        edges = [t for t in edges if t >= 0.0]
+        # Stretch i is [starts[i], starts[i+1]) in real time with multiplier rates[i],
+        # beginning at operational time marks[i]; the last one runs on at multiplier 1.
+        self.starts: list[float] = []
+        self.rates: list[float] = []
+        self.marks: list[float] = []
+        mark = 0.0
+        for i, start_s in enumerate(edges):
+            m = 1.0
+            for surge in surges:
+                if surge.start_s <= start_s < surge.start_s + surge.duration_s:
+                    m *= surge.multiplier
+            self.starts.append(start_s)
+            self.rates.append(m)
+            self.marks.append(mark)
+            if i + 1 < len(edges):
+                mark += m * (edges[i + 1] - start_s)
+        self._index = 0  # operational times come in increasing order: walk forward
+
+    def real_s(self, op_s: float) -> float:
+        """The real time at operational time `op_s` (calls in increasing order)."""
+        if len(self.starts) == 1:
+            return op_s  # no surge: the identity, exactly (the same arrivals as before)
+        i = self._index
+        while i + 1 < len(self.starts) and (
+            self.marks[i + 1] < op_s or (self.marks[i + 1] == op_s and self.rates[i] == 0)
+        ):
+            i += 1
+        self._index = i
+        # A stretch of multiplier 0 takes no operational time: it is stepped over above.
+        return self.starts[i] + (op_s - self.marks[i]) / self.rates[i]
 
 
 def _tenant_stream(spec: WorkloadSpec, tenant: TenantSpec, tier: TierSpec) -> Iterator[SimRequest]:
@@ -219,22 +262,20 @@ def _tenant_stream(spec: WorkloadSpec, tenant: TenantSpec, tier: TierSpec) -> It
     rate = spec.rate_per_s * tenant.load_share / total_share
     if rate <= 0:
         return
-    peak = max([1.0] + [s.multiplier for s in spec.surges])
     rng = random.Random(f"{spec.seed}:{tenant.tenant_id}")
-    peak_rate = rate * peak
+    clock = _SurgeClock(spec.surges)
     cv = spec.burstiness_cv if spec.arrival == "gamma" else 1.0
     shape = 1.0 / (cv * cv)
-    t = 0.0
+    op_s = 0.0  # operational time: seconds at the base rate (see _SurgeClock)
     n = 0
     while True:
         if cv == 1.0:
-            t += rng.expovariate(peak_rate)
+            op_s += rng.expovariate(rate)
         else:
-            t += rng.gammavariate(shape, 1.0 / (shape * peak_rate))
+            op_s += rng.gammavariate(shape, 1.0 / (shape * rate))
+        t = clock.real_s(op_s)
         if t >= spec.duration_s:
             return
-        if peak > 1.0 and rng.random() * peak > _multiplier(spec, t):
-            continue
         if not tenant.is_on(t):
             continue
         n += 1
@@ -265,8 +306,8 @@ def iter_requests(spec: WorkloadSpec) -> Iterator[SimRequest]:
     requests/s need not sit in memory).
 
     Each tenant has its own arrival stream (rate = total × its share) so that on/off
-    windows and surges thin it without shifting anyone else's arrivals; surges and
-    windows are applied by thinning a stream drawn at the peak rate.
+    windows and surges change it without shifting anyone else's arrivals. Surges stretch
+    the stream's time (see _SurgeClock); an on/off window drops the arrivals outside it.
     """
     tiers = {t.name: t for t in spec.tiers}
     streams = [_tenant_stream(spec, tenant, tiers[tenant.tier]) for tenant in spec.tenants]

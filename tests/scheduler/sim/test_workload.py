@@ -62,6 +62,45 @@ def test_surges_windows_and_shares() -> None:
     assert generate(spec) == reqs  # deterministic for a seed
 
 
+def test_overlapping_surges_multiply_the_rate() -> None:
+    def rate_in(surges: tuple[Surge, ...], start_s: float, end_s: float) -> float:
+        spec = WorkloadSpec((TIER,), (TenantSpec("a", "t"),), 50, 100, surges=surges, seed=1)
+        reqs = generate(spec)
+        return sum(1 for r in reqs if start_s <= r.arrival_s < end_s) / (end_s - start_s)
+
+    stacked = (Surge(40, 20, 2.0), Surge(40, 20, 3.0))
+    # Thinning a stream drawn at the largest single multiplier capped this at 3x (150).
+    assert rate_in(stacked, 40, 60) == pytest.approx(300, rel=0.1)
+    assert rate_in((Surge(40, 20, 6.0),), 40, 60) == pytest.approx(300, rel=0.1)
+    assert rate_in(stacked, 0, 40) == pytest.approx(50, rel=0.1)
+    assert rate_in(stacked, 60, 100) == pytest.approx(50, rel=0.1)
+    # Partly overlapping: 2x, then 6x, then 3x; a zero multiplier silences the stream.
+    partial = (Surge(20, 20, 2.0), Surge(30, 20, 3.0), Surge(70, 10, 0.0))
+    assert rate_in(partial, 20, 30) == pytest.approx(100, rel=0.15)
+    assert rate_in(partial, 30, 40) == pytest.approx(300, rel=0.1)
+    assert rate_in(partial, 40, 50) == pytest.approx(150, rel=0.15)
+    assert rate_in(partial, 70, 80) == 0
+
+
+def test_a_surge_keeps_the_gamma_burstiness_around_it() -> None:
+    spec = WorkloadSpec(
+        (TIER,),
+        (TenantSpec("a", "t"),),
+        50,
+        400,
+        arrival="gamma",
+        burstiness_cv=3.0,
+        surges=(Surge(390, 10, 10.0),),
+        seed=2,
+    )
+    times = [r.arrival_s for r in generate(spec)]
+    before = [b - a for a, b in itertools.pairwise(t for t in times if t < 390)]
+    # Drawn at the surge's peak rate and thinned, the gaps were near Poisson (CV ~1.3).
+    assert statistics.stdev(before) / statistics.mean(before) == pytest.approx(3.0, rel=0.15)
+    assert len(before) == pytest.approx(50 * 390, rel=0.1)
+    assert sum(1 for t in times if t >= 390) == pytest.approx(500 * 10, rel=0.35)
+
+
 def test_length_distributions() -> None:
     rng = random.Random(0)
     lognormal = LengthDist("lognormal", mean=200, sigma=0.5, low=1, high=100_000)
