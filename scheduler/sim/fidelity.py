@@ -23,7 +23,7 @@ from typing import Any
 
 from scheduler.sim.cost_model import RooflineParams, StepSample, StepShape
 from scheduler.sim.metrics import RequestRecord, percentile
-from scheduler.sim.workload import SimRequest, WorkloadSpec
+from scheduler.sim.workload import MAX_LENGTH_TOKENS, SimRequest, WorkloadSpec
 
 ALL = "all"  # the group of every request, beside one group per tier
 OK = "ok"
@@ -102,6 +102,9 @@ def read_trace(lines: Iterable[str]) -> list[TraceRequest]:
             )
         if request.arrival_s < 0 or request.num_prompt_tokens < 1 or request.max_tokens < 1:
             raise TraceError(f"trace line {lineno}: needs arrival_s >= 0 and lengths >= 1")
+        if max(request.num_prompt_tokens, request.max_tokens) > MAX_LENGTH_TOKENS:
+            # The simulator builds each prompt as a list of token ids (see LengthDist).
+            raise TraceError(f"trace line {lineno}: lengths are at most {MAX_LENGTH_TOKENS:,}")
         trace.append(request)
     return sorted(trace, key=lambda r: (r.arrival_s, r.request_id))
 

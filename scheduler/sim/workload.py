@@ -21,6 +21,28 @@ class WorkloadError(ValueError):
     """A workload that cannot be generated (negative rate, empty tenant list...)."""
 
 
+# The longest length a distribution may draw. No simulated context comes near it (the
+# default is 16,384 tokens; a longer request is dropped as invalid_request), and the
+# simulator builds each prompt as a list of token ids: 10^9 tokens took minutes and
+# gigabytes before the engine could refuse it.
+MAX_LENGTH_TOKENS = 2**20
+# The largest gamma gap CV: past it most gamma draws underflow to gaps of exactly 0 s
+# (16% at a CV of 20, 93% at 100; 0.05% at 10), so the stream is no longer the process
+# asked for, and at 10^6 it never advances.
+MAX_BURSTINESS_CV = 10.0
+# The admin API's bound on a min_share sum, with its slack for rounding.
+_MIN_SHARE_SUM_SLACK = 1e-9
+
+
+def _is_number(value: object) -> bool:
+    """A finite int or float, not a bool (True would read as 1)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_whole(value: object) -> bool:
+    return type(value) is int
+
+
 @dataclass(frozen=True)
 class LengthDist:
     """Token lengths: `fixed`, `uniform` on [low, high], or `lognormal` with the given
@@ -35,10 +57,20 @@ class LengthDist:
     def __post_init__(self) -> None:
         if self.kind not in ("fixed", "uniform", "lognormal"):
             raise WorkloadError(f"length kind must be fixed, uniform or lognormal: {self.kind!r}")
+        if not (_is_whole(self.low) and _is_whole(self.high)):
+            raise WorkloadError("lengths need whole numbers for low and high")
         if self.low < 1 or self.high < self.low:
             raise WorkloadError("lengths need 1 <= low <= high")
-        if self.mean < 1 or self.sigma < 0:
-            raise WorkloadError("lengths need mean >= 1 and sigma >= 0")
+        if self.high > MAX_LENGTH_TOKENS:
+            raise WorkloadError(
+                f"lengths need high <= {MAX_LENGTH_TOKENS:,} tokens (no simulated context "
+                "holds more)"
+            )
+        # NaN passes every comparison: it failed later, inside round().
+        if not _is_number(self.mean) or self.mean < 1:
+            raise WorkloadError("lengths need a finite mean >= 1")
+        if not _is_number(self.sigma) or self.sigma < 0:
+            raise WorkloadError("lengths need a finite sigma >= 0")
 
     def sample(self, rng: random.Random) -> int:
         if self.kind == "fixed":
@@ -83,8 +115,25 @@ class TierSpec:
     max_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        # The admin API's bounds on a tier row (gateway/admin/validation.py), so that a
+        # simulated tier is one an operator could create.
+        def fail(what: str) -> WorkloadError:
+            return WorkloadError(f"tier {self.name}: {what}")
+
+        if not _is_whole(self.rank) or self.rank < 0:
+            raise fail("rank must be a whole number >= 0")
+        for name in ("ttft_slo_ms", "tpot_slo_ms", "max_queue_ms", "completion_window_s"):
+            value = getattr(self, name)
+            if value is not None and (not _is_number(value) or value <= 0):
+                raise fail(f"{name} must be a finite number > 0 (or None)")
+        if not _is_number(self.min_share) or not 0 <= self.min_share < 1:
+            raise fail("min_share must be in [0, 1)")
+        if self.max_queued_jobs is not None and (
+            not _is_whole(self.max_queued_jobs) or self.max_queued_jobs < 1
+        ):
+            raise fail("max_queued_jobs must be a whole number >= 1 (or None)")
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise WorkloadError(f"tier {self.name}: max_tokens must be >= 1")
+            raise fail("max_tokens must be >= 1")
 
     @property
     def has_latency_slo(self) -> bool:
@@ -156,19 +205,40 @@ class WorkloadSpec:
             raise WorkloadError("duration_s must be > 0")
         if self.arrival not in ("poisson", "gamma"):
             raise WorkloadError(f"arrival must be poisson or gamma: {self.arrival!r}")
-        if self.burstiness_cv <= 0:
-            raise WorkloadError("burstiness_cv must be > 0")
-        names = {t.name for t in self.tiers}
+        if not _is_number(self.burstiness_cv) or not 0 < self.burstiness_cv <= MAX_BURSTINESS_CV:
+            raise WorkloadError(f"burstiness_cv must be in (0, {MAX_BURSTINESS_CV:g}]")
+        names = [t.name for t in self.tiers]
+        _refuse_repeats("tier", names)
+        _refuse_repeats("tenant", [t.tenant_id for t in self.tenants])
+        min_shares = sum(t.min_share for t in self.tiers)
+        if min_shares > 1 + _MIN_SHARE_SUM_SLACK:
+            # As the admin API refuses it: the tiers cannot all be kept their shares.
+            raise WorkloadError(f"min_share over all tiers is {min_shares:g}; it may not exceed 1")
         for tenant in self.tenants:
             if tenant.tier not in names:
                 raise WorkloadError(f"tenant {tenant.tenant_id} has unknown tier {tenant.tier}")
-            if tenant.weight <= 0 or tenant.load_share < 0:
-                raise WorkloadError(f"tenant {tenant.tenant_id}: weight > 0, load_share >= 0")
+            # The queue divides charges by the weight (scheduler.policy.validate_weight).
+            if not _is_number(tenant.weight) or tenant.weight <= 0:
+                raise WorkloadError(
+                    f"tenant {tenant.tenant_id}: weight must be a finite number > 0"
+                )
+            if not _is_number(tenant.load_share) or tenant.load_share < 0:
+                raise WorkloadError(
+                    f"tenant {tenant.tenant_id}: load_share must be a finite number >= 0"
+                )
         if sum(t.load_share for t in self.tenants) <= 0:
             raise WorkloadError("the tenants' load shares sum to zero")
+        peak = 1.0
         for surge in self.surges:
+            numbers = (surge.start_s, surge.duration_s, surge.multiplier)
+            if not all(_is_number(x) for x in numbers):
+                raise WorkloadError(f"a surge needs finite numbers: {surge}")
             if surge.multiplier < 0 or surge.duration_s < 0:
                 raise WorkloadError("a surge needs multiplier >= 0 and duration_s >= 0")
+            peak *= max(1.0, surge.multiplier)
+        if not math.isfinite(peak):
+            # Overlapping, they would multiply the rate past what a float holds.
+            raise WorkloadError("the surges' multipliers multiply to more than a float holds")
 
     def tier(self, name: str) -> TierSpec:
         for tier in self.tiers:
@@ -178,6 +248,15 @@ class WorkloadSpec:
 
     def with_rate(self, rate_per_s: float) -> WorkloadSpec:
         return replace(self, rate_per_s=rate_per_s)
+
+
+def _refuse_repeats(kind: str, names: list[str]) -> None:
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            # Two tenants of one id would be one tenant to the queue and the limiter.
+            raise WorkloadError(f"{kind} {name!r} is named twice")
+        seen.add(name)
 
 
 @dataclass(frozen=True, slots=True)

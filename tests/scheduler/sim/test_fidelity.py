@@ -55,6 +55,9 @@ def test_read_trace_sorts_and_rejects_bad_lines() -> None:
         read_trace(['{"request_id": "a"}'])
     with pytest.raises(TraceError, match="lengths >= 1"):
         read_trace([lines[0].replace('"max_tokens": 3', '"max_tokens": 0')])
+    # A 10^9-token prompt hung the simulator building it.
+    with pytest.raises(TraceError, match="at most 1,048,576"):
+        read_trace([lines[0].replace('"prompt_tokens": 5', '"prompt_tokens": 1000000000')])
     for field, bad in (
         ("arrival_s", "NaN"),
         ("arrival_s", "Infinity"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import random
 import statistics
 
@@ -147,6 +148,27 @@ def test_clients_asking_max_tokens_stop_at_their_drawn_lengths() -> None:
         ({"arrival": "weibull"}, "arrival"),
         ({"tenants": (TenantSpec("a", "nope"),)}, "unknown tier"),
         ({"tenants": (TenantSpec("a", "t", weight=0),)}, "weight"),
+        # NaN passes every comparison: each of these hung, or failed later untyped.
+        ({"arrival": "gamma", "burstiness_cv": math.nan}, "burstiness_cv"),
+        ({"arrival": "gamma", "burstiness_cv": 1e6}, "burstiness_cv"),
+        ({"surges": (Surge(1, 2, math.inf),)}, "surge"),
+        ({"surges": (Surge(1, 2, math.nan),)}, "surge"),
+        ({"surges": (Surge(1, math.nan, 2),)}, "surge"),
+        ({"surges": (Surge(math.nan, 2, 2),)}, "surge"),
+        ({"surges": (Surge(0, 1, 1e200), Surge(0, 1, 1e200))}, "surge"),
+        ({"tenants": (TenantSpec("a", "t", weight=math.nan),)}, "weight"),
+        ({"tenants": (TenantSpec("a", "t", weight=math.inf),)}, "weight"),
+        ({"tenants": (TenantSpec("a", "t", load_share=math.inf),)}, "load_share"),
+        ({"tenants": (TenantSpec("a", "t", load_share=math.nan),)}, "load_share"),
+        ({"tenants": (TenantSpec("a", "t"), TenantSpec("a", "t"))}, "twice"),
+        ({"tiers": (TIER, TIER)}, "twice"),
+        (
+            {
+                "tiers": (TierSpec("t", 0, min_share=0.6), TierSpec("u", 1, min_share=0.5)),
+                "tenants": (TenantSpec("a", "t"), TenantSpec("b", "u")),
+            },
+            "min_share",
+        ),
     ],
 )
 def test_invalid_workloads_raise(kwargs: dict, match: str) -> None:
@@ -155,3 +177,34 @@ def test_invalid_workloads_raise(kwargs: dict, match: str) -> None:
         WorkloadSpec(**{**base, **kwargs})
     with pytest.raises(WorkloadError):
         LengthDist("zipf")
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: LengthDist("lognormal", mean=math.nan), "mean"),
+        (lambda: LengthDist("lognormal", mean=math.inf), "mean"),
+        (lambda: LengthDist("lognormal", sigma=math.nan), "sigma"),
+        (lambda: LengthDist("uniform", low=1.5, high=4), "whole"),
+        # A 10^9-token prompt hung the engine building it; no context holds one.
+        (lambda: LengthDist("fixed", mean=1e9, high=10**9), "high"),
+        (lambda: TierSpec("t", 0, max_queue_ms=-1), "max_queue_ms"),
+        (lambda: TierSpec("t", 0, max_queue_ms=math.nan), "max_queue_ms"),
+        (lambda: TierSpec("t", 0, completion_window_s=-1), "completion_window_s"),
+        (lambda: TierSpec("t", 0, ttft_slo_ms=0), "ttft_slo_ms"),
+        (lambda: TierSpec("t", 0, tpot_slo_ms=math.nan), "tpot_slo_ms"),
+        (lambda: TierSpec("t", 0, min_share=1.0), "min_share"),
+        (lambda: TierSpec("t", 0, min_share=math.nan), "min_share"),
+        (lambda: TierSpec("t", -1), "rank"),
+        (lambda: TierSpec("t", 0, max_queued_jobs=0), "max_queued_jobs"),
+    ],
+)
+def test_invalid_tiers_and_lengths_raise(make, match: str) -> None:
+    with pytest.raises(WorkloadError, match=match):
+        make()
+
+
+def test_the_admin_apis_min_share_sum_of_one_is_taken() -> None:
+    tiers = (TierSpec("t", 0, min_share=0.7), TierSpec("u", 1, min_share=0.3))
+    spec = WorkloadSpec(tiers, (TenantSpec("a", "t"),), 1, 1)
+    assert sum(t.min_share for t in spec.tiers) == pytest.approx(1.0)
