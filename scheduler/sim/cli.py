@@ -427,7 +427,8 @@ def _report(args: argparse.Namespace) -> int:
     ).strip()
     paths = write_report(experiment, args.out, command=command, plots=plots)
     for target in experiment.targets:
-        print(f"target {target.number}: {target.verdict}  {target.value}")
+        why = f"  (n/a: {target.reason})" if target.reason else ""
+        print(f"target {target.number}: {target.verdict}  {target.value}{why}")
     print(f"wrote {', '.join(str(p) for p in paths)} in {time.perf_counter() - started:.0f} s")
     return 0
 

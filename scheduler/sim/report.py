@@ -96,7 +96,7 @@ def render_markdown(experiment: Experiment, *, command: str = "") -> str:
             "|---|---|---|---|---|",
         ]
         for t in experiment.targets:
-            verdict = f"**{t.verdict}**"
+            verdict = f"**{t.verdict}**" + (f" ({t.reason})" if t.reason else "")
             lines.append(f"| {t.number} | {t.name} | {t.value} | {t.threshold} | {verdict} |")
     lines += [
         "",

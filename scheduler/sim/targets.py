@@ -73,6 +73,11 @@ class Target:
     # False when the run had nothing to judge the target by (a suite left out, no SLO
     # violation to compare): the verdict is then "n/a", neither pass nor fail.
     measured: bool = True
+    reason: str = ""  # why it is n/a; empty when measured
+
+    def __post_init__(self) -> None:
+        if not self.measured and not self.reason:
+            raise ValueError(f"target {self.number} is n/a without a reason")
 
     @property
     def verdict(self) -> str:
@@ -315,6 +320,15 @@ def evaluate(experiment: Experiment) -> list[Target]:
         jains += [f.jain_index for f in over.fairness.values() if f.jain_index is not None]
         idle = [by_suite[s].value for s in ("returning", "on-off") if s in by_suite]
         measured = w is not None and bool(jains) and bool(idle)
+        absent = [
+            name
+            for name, present in (
+                ("weighted", w is not None),
+                ("two-overloaded or proportional", bool(jains)),
+                ("returning or on-off", bool(idle)),
+            )
+            if not present
+        ]
         ok = (
             measured
             and w is not None
@@ -326,21 +340,35 @@ def evaluate(experiment: Experiment) -> list[Target]:
             Target(
                 1,
                 "Fairness: weights within 2%, Jain ≥ 0.99, returning client ≤ 55%",
-                f"weight error {w.value:.2%}; min Jain {min(jains):.4f}; "
-                f"returning/on-off share {max(idle):.1%}"
+                # Each rounded against its verdict (as _share): a miss by a hair never
+                # reads as the threshold itself.
+                f"weight error {_share(w.value, 2, up=True)}; "
+                f"min Jain {_rounded(min(jains), 4, up=False)}; "
+                f"returning/on-off share {_share(max(idle), 1, up=True)}"
                 if w and jains and idle
                 else "n/a",
                 "≤ 2%; ≥ 0.99; ≤ 55%",
                 ok,
                 measured,
+                "" if measured else f"suites not run: {', '.join(absent)}",
             )
         )
 
     # 2. Throughput at the overload point (where throughput is the engine's, not the load's).
     top = min(ours, key=lambda load: abs(load - 1.5))
-    ratio = ours[top].output_tokens_per_s / max(fcfs[top].output_tokens_per_s, 1e-9)
+    theirs_tokens = fcfs[top].output_tokens_per_s
+    # FCFS generating nothing (no request arrived) leaves nothing to be 98% of.
+    ratio = ours[top].output_tokens_per_s / theirs_tokens if theirs_tokens > 0 else None
     targets.append(
-        Target(2, f"Throughput ≥ 98% of FCFS (at {top:g}x)", _share(ratio), "≥ 98%", ratio >= 0.98)
+        Target(
+            2,
+            f"Throughput ≥ 98% of FCFS (at {top:g}x)",
+            _share(ratio),
+            "≥ 98%",
+            ratio is not None and ratio >= 0.98,
+            measured=ratio is not None,
+            reason="" if ratio is not None else f"FCFS generated no tokens at {top:g}x",
+        )
     )
 
     # 3. At the load where FCFS keeps 90% interactive attainment (1.0x by definition).
@@ -355,6 +383,11 @@ def evaluate(experiment: Experiment) -> list[Target]:
             "≥ 99%, ≥ 95%",
             p is not None and i is not None and p >= 0.99 and i >= 0.95,
             measured=p is not None and i is not None,
+            reason=", ".join(
+                f"{tier} offered no request at {_load_of(ours, at1):g}x"
+                for tier, a in (("priority", p), ("interactive", i))
+                if a is None
+            ),
         )
     )
 
@@ -364,7 +397,13 @@ def evaluate(experiment: Experiment) -> list[Target]:
     # with none (the verdict is then n/a).
     found = {p: experiment.goodput.get(p) or _grid_goodput(sweep[p]) for p in sweep}
     missing = [other for other in ("vtc", "priority") if other not in sweep]
-    parts, ok = [], not missing
+    why = [f"{other} not run" for other in missing]
+    silent = [p for p in ("tiered", "vtc", "priority") if p in sweep and not _offers(sweep[p])]
+    if silent:
+        # No load offered both tiers: 0 req/s is nothing measured, not a policy's failure.
+        why.append(f"{_and(silent)} offered no request of both latency tiers")
+    bounds: list[str] = []  # policies whose goodput, a lower bound, leaves the ratio open
+    parts, ok = [], not why
     for kind in ATTAINMENTS:
         mine = found["tiered"][kind]
         ratios = []
@@ -377,11 +416,28 @@ def evaluate(experiment: Experiment) -> list[Target]:
                 r = mine.goodput_per_s / theirs.goodput_per_s
             else:  # nothing is 1.3x of nothing: only goodput of our own beats none
                 r = float("inf") if mine.goodput_per_s > 0 else 0.0
-            if kind == "offered":
+            if kind == "offered" and not silent:
                 ok = ok and r >= 1.3
+                # A policy still keeping 90% at the highest load swept has a goodput that
+                # is a lower bound. Ours being one cannot lower a ratio that already
+                # passes; theirs being one leaves every ratio open.
+                if theirs.is_lower_bound or (mine.is_lower_bound and r < 1.3):
+                    for name, g in (("tiered", mine), (other, theirs)):
+                        if g.is_lower_bound and name not in bounds:
+                            bounds.append(name)
             ratios.append(f"{r:.2f}x {other} ({_load(theirs)}: {theirs.goodput_per_s:.1f})")
         parts.append(
             f"{kind}: {mine.goodput_per_s:.1f} req/s at {_load(mine)}, " + ", ".join(ratios)
+        )
+    if bounds:
+        why.append(
+            f"{_and(bounds)} kept 90% at the highest load swept, so "
+            + (
+                "its goodput is only a lower bound"
+                if len(bounds) == 1
+                else "their goodputs are only lower bounds"
+            )
+            + " (sweep higher --loads)"
         )
     targets.append(
         Target(
@@ -390,8 +446,9 @@ def evaluate(experiment: Experiment) -> list[Target]:
             "and priority",
             "; ".join(parts),
             "≥ 1.3x both (offered)",
-            ok,
-            measured=not missing,
+            ok and not why,
+            measured=not why,
+            reason="; ".join(why),
         )
     )
 
@@ -407,17 +464,29 @@ def evaluate(experiment: Experiment) -> list[Target]:
     total_refused, on_batch = refusal_split(over_ours)
     batch_share = on_batch / total_refused if total_refused else 1.0
     # The batch clause needs a swept load ≤ 0.9x that offered batch requests.
-    below = [load for load in ours if load <= 0.9 and "batch" in ours[load].tiers]
+    low = [load for load in ours if load <= 0.9]
+    below = [load for load in low if "batch" in ours[load].tiers]
     starved = sum(
         ours[load].tiers["batch"].num_offered - ours[load].tiers["batch"].num_met_slo
         for load in below
     )
-    starved_text = f"{starved} batch misses at ≤ 0.9x" if below else "n/a (no load ≤ 0.9x run)"
+    no_batch = "no load ≤ 0.9x run" if not low else "no batch request at ≤ 0.9x"
+    starved_text = f"{starved} batch misses at ≤ 0.9x" if below else f"n/a ({no_batch})"
     # As target 1: a clause with nothing to judge it by makes the target n/a, not passed.
     # FCFS missing nothing at "1.5x" means the load was no overload: nothing to be 10x
     # fewer than (0 vs 0 is no infinite gain); no latency request admitted leaves no
     # admitted attainment.
     measured = v_fcfs > 0 and adm_att is not None and bool(below)
+    over_load = _load_of(ours, over_ours)
+    why = [
+        text
+        for text, missing_part in (
+            (f"FCFS had no SLO violation at {over_load:g}x (no overload)", v_fcfs == 0),
+            (f"ours admitted no latency request at {over_load:g}x", adm_att is None),
+            (no_batch, not below),
+        )
+        if missing_part
+    ]
     targets.append(
         Target(
             5,
@@ -433,18 +502,44 @@ def evaluate(experiment: Experiment) -> list[Target]:
             and batch_share >= 0.9
             and starved == 0,
             measured=measured,
+            reason="; ".join(why),
         )
     )
     return targets
 
 
-def _share(value: float | None, digits: int = 1) -> str:
-    """A percentage rounded down: every target compares with ≥, and 97.96% shown as
-    "98.0%" beside a FAIL of "≥ 98%" read as a wrong verdict."""
+def _and(names: Sequence[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def _offers(points: dict[float, RunStats]) -> bool:
+    """Some swept load offered requests of both latency tiers (target 4 has a goodput
+    to compare: a policy that never saw them kept or missed nothing)."""
+    return any(all(_attainment(s, t) is not None for t in LATENCY_TIERS) for s in points.values())
+
+
+def _load_of(points: dict[float, RunStats], stats: RunStats) -> float:
+    return next(load for load, s in points.items() if s is stats)
+
+
+def _share(value: float | None, digits: int = 1, *, up: bool = False) -> str:
+    """A percentage rounded against the verdict: down for a "≥" threshold, up for a
+    "≤" one (`up`). 97.96% shown as "98.0%" beside a FAIL of "≥ 98%" read as a wrong
+    verdict."""
     if value is None:
         return "n/a"
-    scale = 10 ** (digits + 2)
-    return f"{math.floor(value * scale + 1e-9) / scale:.{digits}%}"
+    return _rounded(value, digits + 2, up=up, fmt=f".{digits}%")
+
+
+def _rounded(value: float, digits: int, *, up: bool, fmt: str | None = None) -> str:
+    """`value` rounded to `digits` decimals, up or down (a 1e-9 slack keeps an exact
+    value such as 0.02 from moving a digit), formatted with `fmt` (default: fixed)."""
+    scale = 10**digits
+    if up:
+        rounded = math.ceil(value * scale - 1e-9) / scale
+    else:
+        rounded = math.floor(value * scale + 1e-9) / scale
+    return format(rounded, fmt or f".{digits}f")
 
 
 def _load(found: GoodputAt90) -> str:

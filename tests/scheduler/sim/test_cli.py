@@ -525,3 +525,23 @@ def test_report_refuses_a_capacity_search_with_no_interactive_request_to_measure
     [error] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
     assert error.startswith("error: the FCFS capacity search offered no interactive request")
     assert not (out / "report.json").exists()
+
+
+def test_report_says_why_a_target_is_not_applicable(tmp_path, capsys) -> None:
+    # 0.5 req/s of 1.0x = 5: nothing reaches overload, every goodput is a lower bound.
+    # Target 4 printed FAIL "1.00x vtc" before.
+    out = tmp_path / "r"
+    argv = ["report", "--capacity", "5", "--loads", "0.5", "--duration", "10", "--drain", "30"]
+    argv += ["--suites", "weighted", "--suite-duration", "5", "--no-plots", "--out", str(out)]
+    assert main(argv) == 0
+    [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("target 4:")]
+    assert line.startswith("target 4: n/a")
+    assert "(n/a: " in line
+    assert "lower bound" in line
+    report = (out / "report.md").read_text()
+    assert "**n/a** (" in report
+    [target] = [
+        t for t in json.loads((out / "report.json").read_text())["targets"] if t["number"] == 4
+    ]
+    assert target["measured"] is False
+    assert "lower bound" in target["reason"]

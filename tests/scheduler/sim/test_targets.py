@@ -11,6 +11,7 @@ import pytest
 from scheduler.sim.cost_model import load_preset
 from scheduler.sim.fleet import SimulationError
 from scheduler.sim.metrics import RunStats, TierStats
+from scheduler.sim.suites import SuiteResult
 from scheduler.sim.targets import (
     LATENCY_TIERS,
     Experiment,
@@ -345,3 +346,77 @@ def test_fcfs_capacity_is_an_error_when_no_rate_keeps_90() -> None:
         fcfs_capacity(_fake_fcfs(lambda _rate: _run(interactive=0.5)))
     capacity = fcfs_capacity(_fake_fcfs(lambda rate: _run(interactive=0.5 if rate > 3 else 1.0)))
     assert 2.9 < capacity <= 3
+
+
+def test_target_4_is_not_judged_on_goodputs_that_are_lower_bounds() -> None:
+    # Every policy keeps 90% up to the highest load swept: each goodput is a lower
+    # bound, and "1.00x vtc" read as a FAIL though nothing reached overload.
+    never = _falling({})
+    target = _target(_experiment(tiered=never, vtc=never, priority=never), 4)
+    assert (target.passed, target.measured, target.verdict) == (False, False, "n/a")
+    assert "lower bound" in target.reason
+    # Ours falls below 90% at 2x, vtc never does: its goodput could be higher still.
+    ours = _falling({2.0: 0.5})
+    weak = _falling({1.5: 0.5, 2.0: 0.3})
+    target = _target(_experiment(tiered=ours, vtc=never, priority=weak), 4)
+    assert target.verdict == "n/a"
+    assert "vtc" in target.reason
+    # Ours is the lower bound and already 1.3x both: that holds whatever lies above.
+    target = _target(_experiment(tiered=never, vtc=weak, priority=weak), 4)
+    assert target.verdict == "pass"
+    assert target.reason == ""
+
+
+def _nothing() -> RunStats:
+    """A run in which no request arrived (a duration shorter than the first gap)."""
+    return RunStats(100.0, {}, 0.0, 0, 0, {})
+
+
+def test_targets_of_a_run_that_measured_nothing_are_not_applicable() -> None:
+    empty = {load: _nothing() for load in LOADS}
+    experiment = _experiment(fcfs=empty, tiered=empty, vtc=empty, priority=empty)
+    targets = {t.number: t for t in evaluate(experiment)}
+    # Target 2 read "FAIL 0.0%" (0 tokens/s over max(0, 1e-9)), target 4 "FAIL 0.00x".
+    for number in (2, 3, 4, 5):
+        assert (targets[number].verdict, targets[number].passed) == ("n/a", False), number
+        assert targets[number].reason, number
+    assert "FCFS generated no tokens" in targets[2].reason
+    assert "offered no request of both latency tiers" in targets[4].reason
+
+
+def test_target_5_says_why_its_batch_clause_is_not_applicable() -> None:
+    collapsed = {load: _run(0.0, 0.0, batch_met=0.0) for load in LOADS}
+    ours = {load: _drop_tier(_run(), "batch") if load <= 0.9 else _run() for load in LOADS}
+    target = _target(_experiment(tiered=ours, fcfs=collapsed), 5)
+    assert target.verdict == "n/a"
+    # The loads ran; they offered no batch request (not "no load ≤ 0.9x run").
+    assert "no batch request at ≤ 0.9x" in target.value
+    assert "no batch request" in target.reason
+
+
+@pytest.mark.parametrize(
+    ("weighted", "jain", "share", "shown"),
+    [
+        # Each fails its threshold by a hair: shown rounded against the verdict, it
+        # cannot read as the threshold itself beside FAIL.
+        (0.02004, 0.995, 0.5, "weight error 2.01%; min Jain 0.9950; returning/on-off share 50.0%"),
+        (0.01, 0.989996, 0.5, "weight error 1.00%; min Jain 0.9899; returning/on-off share 50.0%"),
+        (0.01, 0.995, 0.55049, "weight error 1.00%; min Jain 0.9950; returning/on-off share 55.1%"),
+        (0.02, 0.99, 0.55, "weight error 2.00%; min Jain 0.9900; returning/on-off share 55.0%"),
+    ],
+)
+def test_target_1_rounds_against_its_verdict(
+    weighted: float, jain: float, share: float, shown: str
+) -> None:
+    def suite(name: str, value: float, passed: bool) -> SuiteResult:
+        return SuiteResult(name, "tiered", "m", value, "t", passed, {"a": 1.0})
+
+    experiment = _experiment()
+    experiment.suites = [
+        suite("weighted", weighted, weighted <= 0.02),
+        suite("two-overloaded", jain, jain >= 0.99),
+        suite("returning", share, share <= 0.55),
+    ]
+    target = _target(experiment, 1)
+    assert target.value == shown
+    assert target.passed is (weighted <= 0.02 and jain >= 0.99 and share <= 0.55)
