@@ -324,12 +324,14 @@ def _run_one(args: argparse.Namespace) -> int:
     print(
         f"{args.policy} on {args.engines} x {params.name}, "
         f"{args.rate:g} req/s for {args.duration:g} s: "
-        f"{stats.output_tokens_per_s:.0f} tokens/s, {stats.num_preemptions} preemptions, "
+        f"{stats.output_tokens_per_s:.0f} output tokens/s while arrivals ran, "
+        f"{stats.num_preemptions} preemptions, "
         f"{stats.num_steps} steps in {time.perf_counter() - started:.1f} s wall"
     )
     heads = ("TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99")
     print(
-        f"{'tier':12} {'offered':>8} {'attain':>7} " + " ".join(f"{h:>9}" for h in heads),
+        f"{'tier':12} {'offered':>8} {'attain':>7} {'unfinished':>10} "
+        + " ".join(f"{h:>9}" for h in heads),
         " refused; dropped after admission",
     )
     for name, t in sorted(stats.tiers.items()):
@@ -339,7 +341,8 @@ def _run_one(args: argparse.Namespace) -> int:
 
         att = "-" if t.attainment is None else f"{t.attainment:.1%}"
         print(
-            f"{name:12} {t.num_offered:>8} {att:>7} {ms(t.ttft_p50_ms):>9} {ms(t.ttft_p99_ms):>9} "
+            f"{name:12} {t.num_offered:>8} {att:>7} {t.num_unfinished:>10} "
+            f"{ms(t.ttft_p50_ms):>9} {ms(t.ttft_p99_ms):>9} "
             f"{ms(t.tpot_p50_ms):>9} {ms(t.tpot_p99_ms):>9}  "
             f"{t.rejections or '-'}; {t.dropped or '-'}"
         )

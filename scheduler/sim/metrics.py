@@ -132,6 +132,9 @@ class FairnessStats:
 class RunStats:
     duration_s: float
     tiers: dict[str, TierStats]
+    # Steady-state throughput: output tokens of the engine steps (and decode runs) that
+    # ended by duration_s, over duration_s. The drain's tokens are left out: they would
+    # credit a policy for finishing late what it could not serve while load arrived.
     output_tokens_per_s: float
     num_preemptions: int
     num_recomputed_tokens: int

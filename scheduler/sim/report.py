@@ -103,10 +103,13 @@ def render_markdown(experiment: Experiment, *, command: str = "") -> str:
         "## Load sweep",
         "",
         "Attainment counts refused requests as misses; goodput is requests/s of priority + "
-        "interactive finishing within SLO.",
+        "interactive finishing within SLO. Tokens/s is steady-state throughput: output "
+        "tokens generated while requests arrived (by engine steps ending by the last "
+        "arrival time), over the arrival time; tokens of the drain are not in it.",
         "",
         "| policy | load | priority attainment | interactive attainment | batch attainment | "
-        "latency goodput (req/s) | tokens/s | preemptions | recomputed tokens |",
+        "latency goodput (req/s) | output tokens/s while arrivals ran | preemptions | "
+        "recomputed tokens |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for policy, points in experiment.sweep.items():

@@ -26,6 +26,22 @@ def test_presets_and_run(capsys) -> None:
     assert stats["tiers"]["interactive"]["num_offered"] > 0
 
 
+def test_run_table_names_its_throughput_and_shows_unfinished_requests(capsys) -> None:
+    argv = ["run", "--policy", "fcfs", "--rate", "5", "--duration", "5", "--drain", "0"]
+    assert main([*argv, "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert main(argv) == 0
+    headline, header, *rows = capsys.readouterr().out.splitlines()
+    # Tokens generated while requests arrived, over the arrival time: not all tokens.
+    tokens = round(stats["output_tokens_per_s"])
+    assert f"{tokens} output tokens/s while arrivals ran" in headline
+    # With --drain 0 some requests are unfinished: visible in the table, not only in --json.
+    assert header.split()[3] == "unfinished"
+    unfinished = {r.split()[0]: int(r.split()[3]) for r in rows}
+    assert unfinished == {t: s["num_unfinished"] for t, s in stats["tiers"].items()}
+    assert sum(unfinished.values()) > 0
+
+
 def test_bad_input_exits_2_with_a_message(capsys, tmp_path) -> None:
     assert main(["run", "--rate", "1", "--preset", str(tmp_path / "nope.json")]) == 2
     assert "neither a preset" in capsys.readouterr().err
