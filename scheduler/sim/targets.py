@@ -596,7 +596,13 @@ def run_experiment(
         for policy in config.policies:
             say(f"suite {name} under {policy}")
             experiment.suites.append(
-                run_suite(name, policy, config.params, duration_s=config.suite_duration_s)
+                run_suite(
+                    name,
+                    policy,
+                    config.params,
+                    duration_s=config.suite_duration_s,
+                    seed=config.seed,
+                )
             )
     if "tiered" in experiment.sweep and "fcfs" in experiment.sweep:
         experiment.targets = evaluate(experiment)

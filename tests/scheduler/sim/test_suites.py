@@ -6,8 +6,9 @@ from dataclasses import replace
 
 import pytest
 
+from scheduler.sim import targets
 from scheduler.sim.cost_model import load_preset
-from scheduler.sim.suites import run_suite
+from scheduler.sim.suites import SuiteResult, run_suite
 
 H200 = load_preset("h200-llama-3.1-8b")
 
@@ -47,3 +48,26 @@ def test_a_suite_whose_requests_the_cache_refuses_fails_instead_of_crashing() ->
     result = run_suite("two-overloaded", "tiered", tiny, duration_s=2)
     assert result.service == {}
     assert not result.passed
+
+
+def test_a_suite_draws_its_arrivals_from_the_seed() -> None:
+    # The suites ignored the report's --seed (a fixed 11): every seed gave one result.
+    first = run_suite("weighted", "tiered", H200, duration_s=5, seed=0)
+    again = run_suite("weighted", "tiered", H200, duration_s=5, seed=0)
+    other = run_suite("weighted", "tiered", H200, duration_s=5, seed=1)
+    assert first.service == again.service
+    assert first.service != other.service
+
+
+def test_the_report_passes_its_seed_to_the_suites(monkeypatch) -> None:
+    seeds = []
+
+    def fake(name, policy, params, *, duration_s, seed):
+        seeds.append(seed)
+        return SuiteResult(name, policy, "m", 0.0, "t", True, {})
+
+    monkeypatch.setattr(targets, "run_suite", fake)
+    config = targets.TargetConfig(H200, duration_s=0.01, drain_s=0, seed=7, policies=("fcfs",))
+    config = replace(config, load_factors=(1.0,), capacity_rate_per_s=1.0, goodput_search_steps=0)
+    targets.run_experiment(config, suites=("weighted",))
+    assert seeds == [7]
