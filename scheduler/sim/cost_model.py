@@ -422,8 +422,19 @@ def fit_roofline(base: RooflineParams, samples: Sequence[StepSample]) -> FitResu
     efficiency is 1.
     """
     usable = [s for s in samples if s.shape.num_batched_tokens > 0 and s.step_s > 0]
-    if len(usable) < 3:
-        raise CostModelError("calibration needs at least 3 steps with tokens and a time > 0")
+    fitted = ["overhead_s", "memory_efficiency", "compute_efficiency"]
+    if any(s.shape.num_seqs for s in usable):
+        fitted.append("overhead_per_seq_s")
+    # Steps of one shape are one equation however many there are, and as many shapes as
+    # parameters are fitted exactly whatever the model's error: "mean error 0.0%" said
+    # nothing. One shape more than parameters is the least that tests the fit.
+    num_shapes = len({s.shape for s in usable})
+    if num_shapes <= len(fitted):
+        raise CostModelError(
+            f"calibration needs steps of at least {len(fitted) + 1} distinct step shapes "
+            f"(tokens, KV tokens, attention pairs, sequences) with tokens and a time > 0 to "
+            f"fit {', '.join(fitted)} and test the fit; got {num_shapes}"
+        )
     try:
         result = _fit(base, usable)
     except (ArithmeticError, CostModelError):  # over- or underflow, a division by 0

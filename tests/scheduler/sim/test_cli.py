@@ -384,6 +384,16 @@ def test_calibrate_measure_refuses_a_device_it_cannot_use_in_one_line(tmp_path, 
     assert "CUDA is not available" in err
 
 
+def test_calibrate_refuses_samples_too_few_shapes_to_fit_in_one_line(tmp_path, capsys) -> None:
+    truth = replace(load_preset("cpu-tiny"), overhead_s=0.006)
+    samples = _write_samples(tmp_path, truth, [StepShape(n, n * 100) for n in (1, 2, 4)])
+    out = tmp_path / "fitted.json"
+    assert main(["calibrate", "--samples", str(samples), "--out", str(out)]) == 2
+    [error] = capsys.readouterr().err.splitlines()
+    assert error.startswith("error: calibration needs steps of at least 4 distinct step shapes")
+    assert not out.exists()
+
+
 def test_calibrate_refuses_to_write_the_preset_over_its_samples(tmp_path, capsys) -> None:
     samples = _write_samples(
         tmp_path, load_preset("cpu-tiny"), [StepShape(n, n * 100) for n in (1, 8)]

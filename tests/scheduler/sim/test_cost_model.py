@@ -96,12 +96,34 @@ def test_fit_recovers_overhead_and_efficiencies_from_noisy_steps() -> None:
 
 
 def test_fit_needs_samples_and_reads_json_lines() -> None:
-    with pytest.raises(CostModelError, match="at least 3"):
+    with pytest.raises(CostModelError, match="at least 4 distinct step shapes"):
         fit_roofline(load_preset("cpu-tiny"), [])
     rows = read_samples(['{"num_batched_tokens": 4, "num_kv_tokens": 40, "step_s": 0.01}', ""])
     assert rows == [StepSample(StepShape(4, 40), 0.01)]
     with pytest.raises(CostModelError, match="line 1"):
         read_samples(['{"num_batched_tokens": 4}'])
+
+
+def test_a_fit_needs_more_distinct_shapes_than_it_fits_parameters() -> None:
+    # Three shapes fit three parameters exactly, and five steps of one shape fit
+    # anything: both reported "mean error 0.0%" and wrote a preset.
+    base = load_preset("cpu-tiny")
+    truth = replace(base, overhead_s=0.004, overhead_per_seq_s=0.001)
+
+    def timed(shapes: list[StepShape]) -> list[StepSample]:
+        return [StepSample(s, truth.shape_time_s(s)) for s in shapes]
+
+    three = [StepShape(n, n * 100) for n in (1, 8, 64)]
+    with pytest.raises(CostModelError, match=r"at least 4 distinct step shapes .* got 3"):
+        fit_roofline(base, timed(three))
+    with pytest.raises(CostModelError, match="got 1"):
+        fit_roofline(base, timed([StepShape(8, 800)] * 5))
+    assert fit_roofline(base, timed([*three, StepShape(512, 51_200)])).num_samples == 4
+    # Counting sequences adds overhead_per_seq_s to fit: one shape more.
+    counted = [StepShape(n, n * 100, None, n) for n in (1, 8, 64, 512)]
+    with pytest.raises(CostModelError, match=r"at least 5 distinct step shapes .* got 4"):
+        fit_roofline(base, timed(counted))
+    assert fit_roofline(base, timed([*counted, StepShape(2, 200, None, 2)])).num_samples == 5
 
 
 def test_fit_recovers_a_per_sequence_overhead_when_samples_count_sequences() -> None:
@@ -359,7 +381,7 @@ def test_sample_values_at_the_edges_of_their_ranges_are_read() -> None:
 @pytest.mark.parametrize("step_s", [1e-200, 1e200])
 def test_a_fit_the_floats_cannot_do_is_a_cost_model_error(step_s: float) -> None:
     # Samples built in code skip read_samples' ranges: the fit itself must not crash.
-    shapes = [StepShape(n, n * 100) for n in (1, 8, 64)]
+    shapes = [StepShape(n, n * 100) for n in (1, 8, 64, 512)]
     with pytest.raises(CostModelError, match="cannot be fitted"):
         fit_roofline(load_preset("cpu-tiny"), [StepSample(s, step_s) for s in shapes])
 
@@ -368,9 +390,9 @@ def test_a_base_whose_predictions_overflow_on_the_samples_is_a_cost_model_error(
     # A valid base (its own longest step is finite) and valid samples, but 2^30 tokens
     # at 10^300 parameters is no float: before, "mean error inf%" and a written preset.
     base = replace(load_preset("cpu-tiny"), num_params=1e300, peak_flops_per_s=1e300)
-    shape = StepShape(2**30, 2**30)
+    shapes = [StepShape(2**30 - n, 2**30) for n in range(4)]
     with pytest.raises(CostModelError, match="cannot be fitted with base 'cpu-tiny'"):
-        fit_roofline(base, [StepSample(shape, t) for t in (0.01, 0.02, 0.03)])
+        fit_roofline(base, [StepSample(s, 0.01 * (n + 1)) for n, s in enumerate(shapes)])
 
 
 def test_samples_files_that_are_no_regular_files_or_too_large_are_refused(
