@@ -45,6 +45,19 @@ class TargetConfig:
     # grid points (0: the grid alone).
     goodput_search_steps: int = 3
 
+    def __post_init__(self) -> None:
+        # Loads are printed, and keyed in report.json, with :g (6 significant digits):
+        # two that print alike would share a key and a row, and lose one run.
+        printed: dict[str, float] = {}
+        for load in sorted(self.load_factors):
+            text = f"{load:g}"
+            if text in printed:
+                raise SimulationError(
+                    f"loads {printed[text]:.15g} and {load:.15g} print alike as {text}x; give "
+                    "loads that differ in their first 6 significant digits"
+                )
+            printed[text] = load
+
     def workload(self, rate_per_s: float, provisioned_rate_per_s: float) -> WorkloadSpec:
         return three_tier_mix(
             rate_per_s,

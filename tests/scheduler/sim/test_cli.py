@@ -571,3 +571,17 @@ def test_report_says_why_a_target_is_not_applicable(tmp_path, capsys) -> None:
     ]
     assert target["measured"] is False
     assert "lower bound" in target["reason"]
+
+
+def test_report_refuses_loads_that_print_alike(tmp_path, capsys) -> None:
+    # 1.0000001 and 1.5000001 print as 1 and 1.5, the loads every report adds: the JSON
+    # sweep lost runs under one key, report.md repeated rows, Reproduce said 1,1,1.5,1.5.
+    argv = _small_report(tmp_path / "r")
+    argv[argv.index("--loads") + 1] = "1.0000001,1.5000001"
+    assert main(argv) == 2
+    [error] = capsys.readouterr().err.splitlines()
+    assert error == (
+        "error: loads 1 and 1.0000001 print alike as 1x; give loads that differ in their "
+        "first 6 significant digits"
+    )
+    assert not (tmp_path / "r" / "report.json").exists()
