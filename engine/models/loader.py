@@ -56,7 +56,9 @@ def load_checkpoint(checkpoint_dir: str | Path, device: str = "auto", dtype: str
     """Read config.json and the safetensors weights (sharded or not) into a DecoderLM."""
     path = Path(checkpoint_dir)
     if not path.is_dir():
-        raise ModelLoadError(f"model directory {str(path)!r} does not exist")
+        # A file (a lone weights file, say) is there: "does not exist" misled.
+        why = "is not a directory" if path.exists() else "does not exist"
+        raise ModelLoadError(f"model directory {str(path)!r} {why}")
     arch = arch_from_config(read_config(path))
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)

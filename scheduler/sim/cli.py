@@ -240,7 +240,13 @@ def _calibrate(args: argparse.Namespace) -> int:
             write_samples(samples, args.save_samples)
     else:
         result = fit_roofline(base, read_samples_file(args.samples))
-    save_params(result.params, args.out)
+    try:
+        save_params(result.params, args.out)
+    except OSError as exc:
+        # _check_writable opened it; writing can still fail (a full disk, /dev/full).
+        raise SimulationError(
+            f"--out {args.out} cannot be written: {exc.strerror or exc}"
+        ) from None
     p = result.params
     print(
         f"fitted {result.num_samples} steps: overhead {p.overhead_s * 1000:.3f} ms, "
@@ -416,24 +422,34 @@ def _report(args: argparse.Namespace) -> int:
         on_progress=lambda msg: print(msg, file=sys.stderr, flush=True),
         max_offered_requests=MAX_OFFERED_REQUESTS,
     )
-    command = " ".join(
-        [
-            "tiergate simulate report",
-            f"--preset {shlex.quote(str(args.preset))} --engines {args.engines}",
-            f"--duration {args.duration:g} --drain {args.drain:g} --seed {args.seed}",
-            "--loads " + ",".join(f"{x:g}" for x in config.load_factors),
-            "--policies " + ",".join(config.policies),
-            "--suites " + ",".join(args.suites) + f" --suite-duration {args.suite_duration:g}",
-            f"--capacity {args.capacity:g}" if args.capacity else "",
-            f"--out {shlex.quote(str(args.out))}",
-        ]
-    ).strip()
+    command = reproduce_command(args, config.load_factors, config.policies)
     paths = write_report(experiment, args.out, command=command, plots=plots)
     for target in experiment.targets:
         why = f"  (n/a: {target.reason})" if target.reason else ""
         print(f"target {target.number}: {target.verdict}  {target.value}{why}")
     print(f"wrote {', '.join(str(p) for p in paths)} in {time.perf_counter() - started:.0f} s")
     return 0
+
+
+def reproduce_command(
+    args: argparse.Namespace, load_factors: tuple[float, ...], policies: tuple[str, ...]
+) -> str:
+    """The `report` command line that makes the same report (the loads and policies as
+    the report ran them: 1.0x, 1.5x, fcfs and tiered are always added)."""
+    parts = [
+        "tiergate simulate report",
+        f"--preset {shlex.quote(str(args.preset))} --engines {args.engines}",
+        f"--duration {args.duration:g} --drain {args.drain:g} --seed {args.seed}",
+        "--loads " + ",".join(f"{x:g}" for x in load_factors),
+        "--policies " + ",".join(policies),
+        "--suites " + ",".join(args.suites) + f" --suite-duration {args.suite_duration:g}",
+    ]
+    if args.capacity:
+        parts.append(f"--capacity {args.capacity:g}")
+    if args.no_plots:
+        parts.append("--no-plots")
+    parts.append(f"--out {shlex.quote(str(args.out))}")
+    return " ".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,7 @@ itself needs nothing beyond the standard library.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict
 from pathlib import Path
 
@@ -19,6 +20,21 @@ from scheduler.sim.targets import (
     latency_goodput,
     refusal_split,
 )
+
+
+def _text(text: str) -> str:
+    """Free text (a preset's description) on one Markdown line: a newline ended the
+    list item it stood in, and a "|" would end a table cell."""
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def _code(text: str) -> str:
+    """`text` as inline code on one line, fenced by more backticks than it holds."""
+    text = " ".join(text.split())
+    longest = max((len(run) for run in re.findall("`+", text)), default=0)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    fence = "`" * (longest + 1)
+    return f"{fence}{pad}{text}{pad}{fence}"
 
 
 def _pct(value: float | None) -> str:
@@ -72,7 +88,7 @@ def render_markdown(experiment: Experiment, *, command: str = "") -> str:
     lines = [
         "# tiergate simulate: policy comparison",
         "",
-        f"- Preset: `{params.name}` ({params.description or 'custom'}), "
+        f"- Preset: {_code(params.name)} ({_text(params.description) or 'custom'}), "
         f"{config.num_engines} engine(s)",
         f"- Workload: three-tier mix (priority / interactive / batch), {config.duration_s:g} s of "
         f"arrivals + {config.drain_s:g} s drain, seed {config.seed}",

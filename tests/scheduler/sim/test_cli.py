@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import resource
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.sim.cli import main
+from scheduler.sim.cli import add_simulate_parser, main, reproduce_command
 from scheduler.sim.cost_model import StepShape, load_params, load_preset
 
 
@@ -585,3 +586,42 @@ def test_report_refuses_loads_that_print_alike(tmp_path, capsys) -> None:
         "first 6 significant digits"
     )
     assert not (tmp_path / "r" / "report.json").exists()
+
+
+def _report_args(*argv: str):
+    parser = argparse.ArgumentParser()
+    add_simulate_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["simulate", "report", *argv])
+
+
+def test_the_reproduce_line_repeats_every_flag_that_shaped_the_report() -> None:
+    # --no-plots was dropped, and without --capacity two spaces stood before --out.
+    args = _report_args("--no-plots", "--loads", "0.5", "--out", "my report")
+    line = reproduce_command(args, (0.5, 1.0, 1.5), ("fcfs", "tiered"))
+    assert "  " not in line
+    assert line.endswith("--no-plots --out 'my report'")
+    assert "--capacity" not in line
+    args = _report_args("--capacity", "27.88", "--out", "r")
+    line = reproduce_command(args, (1.0, 1.5), ("fcfs", "tiered"))
+    assert line.endswith("--capacity 27.88 --out r")
+    assert "  " not in line
+
+
+def test_calibrate_measure_says_a_model_path_is_no_directory(tmp_path, capsys) -> None:
+    model = tmp_path / "model.safetensors"
+    model.write_bytes(b"")
+    assert main(_calibrate_measure(tmp_path, "--model", str(model))) == 2
+    [error] = capsys.readouterr().err.splitlines()
+    # It said the model directory "does not exist", though the path was there.
+    assert error.endswith(f"model directory '{model}' is not a directory")
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_calibrate_names_an_out_it_could_not_write(tmp_path, capsys) -> None:
+    truth = replace(load_preset("cpu-tiny"), overhead_s=0.006)
+    samples = _write_samples(tmp_path, truth, [StepShape(n, n * 100) for n in (1, 2, 4, 8)])
+    assert main(["calibrate", "--samples", str(samples), "--out", "/dev/full"]) == 2
+    # "error: [Errno 28] No space left on device" named no file.
+    assert capsys.readouterr().err.splitlines() == [
+        "error: --out /dev/full cannot be written: No space left on device"
+    ]

@@ -124,3 +124,11 @@ def test_the_capacity_search_stops_as_soon_as_the_report_is_shown_too_large() ->
         "search); a report offers at most 1,000"
     )
     assert said == ["finding the FCFS capacity"]
+
+
+def test_a_preset_name_or_description_cannot_break_the_markdown() -> None:
+    # A "|" ended a table cell and a newline a list item: the header read as two lines.
+    params = replace(SMALL, name="mine|v2", description="fitted on\nmy box | quiet")
+    md = render_markdown(Experiment(TargetConfig(params, capacity_rate_per_s=9.0), 9.0))
+    [line] = [x for x in md.splitlines() if x.startswith("- Preset:")]
+    assert line == r"- Preset: `mine|v2` (fitted on my box \| quiet), 1 engine(s)"
