@@ -250,7 +250,7 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """Environment first, then the flags that were given."""
-    return settings_from_env().with_overrides(**vars(args))
+    return settings_from_env(overrides=vars(args))
 
 
 def _configure_logging() -> None:

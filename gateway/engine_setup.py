@@ -7,21 +7,38 @@ would open every worker's log).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from gateway.settings import Settings
 from scheduler.dispatcher import EngineLike
 
-
-def build_engine(settings: Settings) -> EngineLike:
-    """The in-process engine the settings describe (loads the model)."""
-    from engine.async_engine import AsyncEngine
+if TYPE_CHECKING:
     from engine.config import EngineConfig
 
-    extra = {} if settings.max_num_seqs is None else {"max_num_seqs": settings.max_num_seqs}
-    config = EngineConfig(
+
+def engine_config(settings: Settings) -> EngineConfig:
+    """The engine configuration the settings describe."""
+    from engine.config import EngineConfig
+
+    extra: dict[str, int] = {}
+    if settings.max_num_seqs is not None:
+        extra["max_num_seqs"] = settings.max_num_seqs
+        # A step holds a decode token of every running sequence: past the default token
+        # budget, the budget grows with them (no setting names it, and the engine refused
+        # the combination in terms of it).
+        default_budget = EngineConfig.max_num_batched_tokens
+        extra["max_num_batched_tokens"] = max(default_budget, settings.max_num_seqs)
+    return EngineConfig(
         model=settings.model,
         device=settings.device,
         kv_cache_bytes=settings.kv_cache_bytes,
         max_model_len=settings.max_model_len,
         **extra,
     )
-    return AsyncEngine(config)
+
+
+def build_engine(settings: Settings) -> EngineLike:
+    """The in-process engine the settings describe (loads the model)."""
+    from engine.async_engine import AsyncEngine
+
+    return AsyncEngine(engine_config(settings))

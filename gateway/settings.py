@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 from gateway.errors import GatewayError
 
@@ -95,6 +97,8 @@ class Settings:
             _check_database_url(self.database_url)
         if self.redis_url:
             _check_redis_url(self.redis_url)
+        if self.admin_token is not None:
+            _check_admin_token(self.admin_token)
 
     @property
     def db_url(self) -> str:
@@ -136,13 +140,50 @@ def _check_database_url(url: str) -> None:
         raise SettingsError(
             f"database_url must use sqlite+aiosqlite or postgresql+asyncpg, not {parsed.drivername}"
         )
+    if backend == "sqlite" and parsed.database in (None, "", ":memory:"):
+        # Each connection would get its own empty database: the one the schema was
+        # migrated on is gone before the server reads its tiers.
+        raise SettingsError(
+            f"database_url {url!r} is an in-memory SQLite database, which no two "
+            "connections share; give a file path (sqlite+aiosqlite:///PATH)"
+        )
 
 
 def _check_redis_url(url: str) -> None:
-    if url.split("://", 1)[0] not in ("redis", "rediss", "unix") or "://" not in url:
+    scheme, has_scheme, _ = url.partition("://")
+    if scheme not in ("redis", "rediss", "unix") or not has_scheme:
         raise SettingsError(
             f"redis_url {url!r} is not a Redis URL; use redis://HOST:PORT/DB (rediss:// for "
             "TLS, unix:// for a socket)"
+        )
+    # redis-py reads a database number it cannot parse as none, that is db 0: a typo put
+    # one deployment's keys into another's database.
+    parts = urlsplit(url)
+    numbers = parse_qs(parts.query).get("db", [])
+    if scheme != "unix":  # a socket's path is the socket, not a database
+        numbers.append(parts.path.strip("/") or "0")
+    for number in numbers:
+        if not number.isascii() or not number.isdigit():
+            raise SettingsError(
+                f"redis_url {url!r} names database {number!r}; a Redis database is a "
+                "number (redis://HOST:PORT/DB)"
+            )
+
+
+# An admin token is sent as `Authorization: Bearer TOKEN`: only printable ASCII with no
+# space goes through every client unchanged (a space was accepted by curl and refused by
+# `tiergate admin`; a non-ASCII one passed or not by the client's header encoding).
+_ADMIN_TOKEN = re.compile(r"[!-~]+")
+MIN_ADMIN_TOKEN_CHARS = 16  # the generated ones have 43
+
+
+def _check_admin_token(token: str) -> None:
+    if not _ADMIN_TOKEN.fullmatch(token):
+        raise SettingsError("admin_token must be printable ASCII with no spaces")
+    if len(token) < MIN_ADMIN_TOKEN_CHARS:
+        raise SettingsError(
+            f"admin_token must be at least {MIN_ADMIN_TOKEN_CHARS} characters: it opens "
+            "every tenant's keys and bills"
         )
 
 
@@ -170,13 +211,19 @@ _ENV: dict[str, tuple[str, type]] = {
 }
 
 
-def settings_from_env(environ: Mapping[str, str] | None = None) -> Settings:
-    """Read the TIERGATE_* variables once; empty values count as unset."""
+def settings_from_env(
+    environ: Mapping[str, str] | None = None, overrides: Mapping[str, object] | None = None
+) -> Settings:
+    """Read the TIERGATE_* variables once; empty values count as unset. `overrides`
+    (CLI flags; None values and names that are no setting are left out) win over the
+    variables, which are then not read at all: a broken variable a flag replaces does
+    not stop the command."""
     environ = os.environ if environ is None else environ
-    values: dict[str, object] = {}
+    known = {f.name for f in fields(Settings)}
+    values = {k: v for k, v in (overrides or {}).items() if v is not None and k in known}
     for var, (name, parse) in _ENV.items():
         raw = environ.get(var, "").strip()
-        if not raw:
+        if not raw or name in values:
             continue
         try:
             values[name] = parse(raw)

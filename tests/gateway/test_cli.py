@@ -78,11 +78,55 @@ def test_settings_defaults_env_and_flags(tmp_path: Path) -> None:
         {"TIERGATE_SLOT_WAIT_QUANTILE": "0"},
         {"TIERGATE_SLOT_WAIT_QUANTILE": "nan"},
         {"TIERGATE_SLOT_WAIT_QUANTILE": "most"},
+        # A database path redis-py cannot read was taken as db 0: another deployment's.
+        {"TIERGATE_REDIS_URL": "redis://127.0.0.1:6379/9x"},
+        {"TIERGATE_REDIS_URL": "redis://127.0.0.1:6379/abc"},
+        {"TIERGATE_REDIS_URL": "rediss://127.0.0.1:6379/-1"},
+        {"TIERGATE_REDIS_URL": "redis://127.0.0.1:6379/0?db=x"},
+        # A database no other connection shares: the migrated one was gone at start.
+        {"TIERGATE_DATABASE_URL": "sqlite+aiosqlite:///:memory:"},
+        {"TIERGATE_DATABASE_URL": "sqlite+aiosqlite://"},
+        # Tokens no client can send as they are (one with a space, a non-ASCII one that
+        # passed or not by the client's header encoding) or guess in a few tries.
+        {"TIERGATE_ADMIN_TOKEN": "has space in the middle"},
+        {"TIERGATE_ADMIN_TOKEN": "ünïcode-admin-token-of-length"},
+        {"TIERGATE_ADMIN_TOKEN": "short"},
     ],
 )
 def test_bad_settings_are_reported(env: dict[str, str]) -> None:
     with pytest.raises(SettingsError):
         settings_from_env(env)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://127.0.0.1:6379",
+        "redis://127.0.0.1:6379/",
+        "redis://127.0.0.1:6379/15",
+        "rediss://:secret@example.com:6380/2",
+        "redis://127.0.0.1:6379?db=3",
+        "unix:///var/run/redis.sock?db=4",
+    ],
+)
+def test_redis_urls_that_name_their_database_plainly_are_taken(url: str) -> None:
+    assert settings_from_env({"TIERGATE_REDIS_URL": url}).redis_url == url
+
+
+def test_a_flag_wins_over_a_bad_variable_it_replaces(monkeypatch, tmp_path: Path) -> None:
+    """The variable a flag overrides is not read, so a stale or broken one in the
+    environment does not stop a command that names the value it wants."""
+    from gateway.cli import _parser
+
+    monkeypatch.setenv("TIERGATE_PORT", "abc")
+    monkeypatch.setenv("TIERGATE_DEVICE", "gpu")
+    args = _parser().parse_args(["serve", "--port", "8204", "--device", "cpu"])
+    settings = settings_from_args(args)
+    assert (settings.port, settings.device) == (8204, "cpu")
+    # A variable no flag replaces is still checked.
+    monkeypatch.setenv("TIERGATE_MAX_NUM_SEQS", "0")
+    with pytest.raises(SettingsError, match="max_num_seqs"):
+        settings_from_args(args)
 
 
 def test_an_unknown_database_dialect_is_one_message(capsys) -> None:
@@ -130,6 +174,7 @@ def test_serve_has_a_flag_for_every_setting_of_the_environment(tmp_path: Path) -
         "database_url": f"sqlite+aiosqlite:///{tmp_path}/t.db",
         "redis_url": "redis://127.0.0.1:6379/3",
         "slot_wait_quantile": "0.9",  # a probability
+        "admin_token": "an-admin-token-of-32-characters",
     }
     argv = ["serve"]
     expected = {}
@@ -452,3 +497,19 @@ def test_a_second_sigint_ends_serve_at_once_without_tracebacks(tmp_path: Path) -
     assert proc.returncode == 128 + signal.SIGINT, output[-3000:]
     assert "second SIGINT while shutting down: exiting now" in output
     assert "Traceback" not in output, output[-3000:]
+
+
+def test_more_sequences_than_the_default_token_budget_start(tmp_path: Path) -> None:
+    """TIERGATE_MAX_NUM_SEQS above 1,024 was refused as max_num_batched_tokens < max_num_seqs,
+    a setting no variable or flag names."""
+    from gateway.cli import _load_engine
+    from gateway.engine_setup import engine_config
+
+    many = Settings(data_dir=tmp_path, device="cpu", max_num_seqs=2000)
+    config = engine_config(many)
+    assert (config.max_num_seqs, config.max_num_batched_tokens) == (2000, 2000)
+    engine = _load_engine(many)
+    engine.shutdown()
+    # Within the default budget, the budget stays the default.
+    few = engine_config(Settings(data_dir=tmp_path, device="cpu", max_num_seqs=8))
+    assert (few.max_num_seqs, few.max_num_batched_tokens) == (8, 1024)
