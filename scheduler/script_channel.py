@@ -13,7 +13,9 @@ here (`open_connection`), and everything else stays on redis-py.
 Errors are redis-py's own classes, so callers map them as before: a refused connection,
 a lost one or a reply later than the socket timeout raise ConnectionError or
 TimeoutError (the connection is dropped and the next call opens a new one), and a
-script's error raises ResponseError. A script the server does not know (restarted, or
+script's error raises ResponseError. Credentials the server refuses raise
+AuthenticationError, a ConnectionError as in redis-py: the queue is unavailable to this
+process, which is no script's fault. A script the server does not know (restarted, or
 SCRIPT FLUSH) is loaded and called again.
 """
 
@@ -37,6 +39,9 @@ DEFAULT_TIMEOUT_S = 5.0
 # gateway stopped for 12 s failed its streams with "Redis did not answer").
 STALL_S = 0.5
 STALL_GRACE_S = 0.5
+# The replies of a server that will not take this connection's credentials (a password
+# rotated, or missing): redis-py raises AuthenticationError for them.
+_AUTH_REFUSALS = ("WRONGPASS", "NOAUTH")
 
 
 async def run_script(script: Any, channel: ScriptChannel | None, args: Sequence[object]) -> Any:
@@ -67,6 +72,10 @@ class _Protocol(asyncio.Protocol):
             if future.done():  # its caller was cancelled; the reply is dropped
                 continue
             if isinstance(reply, ResponseError):
+                if str(reply).startswith(_AUTH_REFUSALS):
+                    reply = redis_errors.AuthenticationError(
+                        f"Redis refused this process's credentials: {reply}"
+                    )
                 future.set_exception(reply)
             else:
                 future.set_result(reply)
@@ -105,9 +114,18 @@ class ScriptChannel:
         self._address = (host, port)
         self._handshake: list[tuple[object, ...]] = []
         if password:
-            self._handshake.append(("AUTH", username, password) if username else ("AUTH", password))
+            # As redis-py sends it (HELLO 3 AUTH default <password>): a server whose
+            # default user has no password takes any, where it refuses the one-argument
+            # AUTH ("called without any password configured"). Sent that way, a URL that
+            # passed redis-py's start-up check failed every request's script call.
+            self._handshake.append(("AUTH", username or "default", password))
         if db:
             self._handshake.append(("SELECT", db))
+        if not self._handshake:
+            # A server that wants a password answers this NOAUTH as the connection
+            # opens; unchecked, the refusal came to a request's script instead, or, for
+            # a script with many arguments, a protocol error and a closed connection.
+            self._handshake.append(("PING",))
         self._timeout_s = timeout_s
         self._connect_timeout_s = connect_timeout_s
         self._protocol: _Protocol | None = None

@@ -19,6 +19,7 @@ from scheduler.backend import BackendUnavailableError
 from scheduler.keys import KeySpace
 from scheduler.redis_backend import RedisBackend
 from scheduler.script_channel import ScriptChannel
+from tests.fleet_processes import RedisServer
 
 from .conftest import REDIS_URL
 
@@ -238,3 +239,44 @@ async def test_connections_it_does_not_make_stay_on_redis_py() -> None:
             assert ScriptChannel.for_client(client) is None
         finally:
             await client.aclose()
+
+
+async def test_a_password_the_server_does_not_ask_for_is_taken_as_redis_py_takes_it() -> None:
+    # redis-py authenticates as the default user (HELLO 3 AUTH default <password>), which
+    # a server without a password accepts with any password. The channel sent the
+    # one-argument AUTH, which such a server refuses ("called without any password
+    # configured"): the start-up ping passed, then every request's script call failed.
+    url = REDIS_URL.replace("redis://", "redis://:not-asked-for@", 1)
+    async with channel_to(url) as (client, channel):
+        assert await client.ping()
+        echo = client.register_script(ECHO)
+        assert await channel.evalsha(echo.sha, echo.script, ["in", 1]) == ["in", 2]
+
+
+async def test_refused_credentials_are_an_authentication_error_and_the_queue_unavailable(
+    tmp_path,
+) -> None:
+    server = RedisServer(tmp_path / "redis.log")
+    server.start()
+    try:
+        async with channel_to(server.url) as (admin, _):
+            await admin.config_set("requirepass", "right")
+        for url, refusal in (
+            (server.url.replace("redis://", "redis://:wrong@", 1), "WRONGPASS"),
+            (server.url, "NOAUTH"),  # no password at all, on a server that wants one
+        ):
+            async with channel_to(url) as (client, channel):
+                echo = client.register_script(ECHO)
+                # A ConnectionError (AuthenticationError is one), as redis-py raises it:
+                # the queue is unavailable to this process, not a script's error.
+                with pytest.raises(redis_errors.AuthenticationError, match=refusal):
+                    await channel.evalsha(echo.sha, echo.script, ["x", 1])
+                backend = RedisBackend(client, keys=KeySpace("{test-auth}:"), channel=channel)
+                with pytest.raises(BackendUnavailableError, match=refusal):
+                    await backend.dispatch("w", 1_000)
+        right = server.url.replace("redis://", "redis://:right@", 1)
+        async with channel_to(right) as (client, channel):
+            echo = client.register_script(ECHO)
+            assert await channel.evalsha(echo.sha, echo.script, ["in", 1]) == ["in", 2]
+    finally:
+        server.stop()
