@@ -249,8 +249,12 @@ async def _build_router(
             raise ServiceUnavailableError("no live worker")
 
     async def queue_ready() -> None:
-        # The in-memory queue lives in this process; Redis must answer.
+        # The in-memory queue lives in this process; Redis must answer, on redis-py's
+        # connections and on the script channel every request's scripts take (each
+        # opens its own: a password Redis refuses fails one and not the other).
         await queue.backend.get_tiers()
+        if queue.channel is not None:
+            await queue.channel.call("PING")
 
     routes = health_routes(
         [("database", database_ready), ("queue", queue_ready), ("worker", worker_ready)]

@@ -14,6 +14,7 @@ import fcntl
 import logging
 import math
 import os
+import re
 import secrets
 import shlex
 import socket
@@ -570,14 +571,24 @@ async def _reach_redis(settings: Settings) -> None:
     if not settings.redis_url:
         return
     from gateway.queue_setup import redis_client
+    from scheduler.script_channel import ScriptChannel
 
     client = redis_client(settings.redis_url)
+    # Both ways this process talks to Redis, so that the check passes only what serving
+    # will: redis-py's connections and the script channel authenticate each their own way.
+    channel = ScriptChannel.for_client(client)
     try:
         async with asyncio.timeout(REACH_TIMEOUT_S):
             await client.ping()
+            if channel is not None:
+                await channel.call("PING")
     except Exception as exc:
-        raise SettingsError(f"cannot reach Redis at {settings.redis_url}: {_reason(exc)}") from None
+        raise SettingsError(
+            f"cannot reach Redis at {_redacted_redis(settings.redis_url)}: {_reason(exc)}"
+        ) from None
     finally:
+        if channel is not None:
+            await channel.aclose()
         await client.aclose()
 
 
@@ -646,6 +657,14 @@ def _demo_banner(settings: Settings, tenants: list, generated_token: bool) -> st
         "",
     ]
     return "\n".join(lines)
+
+
+def _redacted_redis(url: str) -> str:
+    """A Redis URL without its password, which a start-up error must not print."""
+    try:
+        return _redacted(url)
+    except Exception:  # a URL SQLAlchemy cannot parse (redis-py may still take it)
+        return re.sub(r"://[^@/]*@", "://***@", url)
 
 
 def _redacted(url: str) -> str:
