@@ -289,7 +289,7 @@ def _rebuild_rollup(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     _require_sqlite_file(settings)
     asyncio.run(_reach_database(settings))
-    check_revision(settings.db_url, upgrades_on_start=False)
+    check_revision(settings.db_url)
 
     async def rebuild() -> int:
         db_engine = create_db_engine(settings.db_url)
@@ -467,10 +467,11 @@ def _preflight(settings: Settings, *, upgrades_database: bool) -> None:
     """What would otherwise fail inside the server's start-up, with a traceback, as one
     clear message: the model, the data directory, the database, its schema revision and
     Redis. `upgrades_database`: the process upgrades the database itself before it uses
-    it (the embedded one always), so an older revision is not refused. Run before logging
-    is configured: the checks' own chatter (alembic's, reading the revision) stays out of
-    the way of the one line that matters."""
-    from gateway.migrate import check_revision
+    it (the embedded one always); upgraded here, a database it cannot upgrade (tables of
+    another application's in the way) is one line too. Run before logging is configured:
+    the checks' own chatter (alembic's) stays out of the way of the one line that
+    matters."""
+    from gateway.migrate import check_revision, upgrade_to_head
 
     _check_model(settings)
     _prepare_data_dir(settings)
@@ -480,7 +481,10 @@ def _preflight(settings: Settings, *, upgrades_database: bool) -> None:
         await _reach_redis(settings)
 
     asyncio.run(reach())
-    check_revision(settings.db_url, upgrades_on_start=upgrades_database)
+    if upgrades_database:
+        upgrade_to_head(settings.db_url)
+    else:
+        check_revision(settings.db_url)
 
 
 def _check_model(settings: Settings) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import re
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -20,6 +21,8 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError
 
 from gateway.db.session import create_db_engine
 from gateway.errors import GatewayError
@@ -108,17 +111,37 @@ def _run(database_url: str, operation: Callable[[Config, Connection], T]) -> T:
     return _in_own_thread(lambda: asyncio.run(main()))
 
 
-def _current(connection: Connection) -> str | None:
-    return MigrationContext.configure(connection).get_current_revision()
+def _current(connection: Connection, database_url: str) -> str | None:
+    """The database's one revision; refused when its alembic_version holds several,
+    which alembic cannot migrate from (and this history, with one head, never writes)."""
+    revisions = MigrationContext.configure(connection).get_current_heads()
+    if len(revisions) > 1:
+        raise SchemaRevisionError(
+            f"the database at {_named(database_url)} has {len(revisions)} revisions in its "
+            f"alembic_version table ({', '.join(revisions)}) where tiergate keeps one (its "
+            f"newest is {', '.join(head_revisions())}): another application's migrations "
+            "share the table, or it was edited. Give tiergate a database of its own, or "
+            "leave only the row of the revision its schema is at"
+        )
+    return revisions[0] if revisions else None
+
+
+def _named(database_url: str) -> str:
+    """The database's URL without its password, for a message."""
+    return make_url(database_url).render_as_string(hide_password=True)
+
+
+def _url_of(config: Config) -> str:
+    return str(config.get_main_option("sqlalchemy.url"))
 
 
 def _known_current(config: Config, connection: Connection) -> str | None:
     """The database's revision, refused when these scripts do not know it: alembic can
     find no path from a revision it has never seen, in either direction."""
-    current = _current(connection)
+    current = _current(connection, _url_of(config))
     script = ScriptDirectory.from_config(config)
     if current is not None and current not in _revisions(script):
-        raise SchemaRevisionError(_newer_message(current, script.get_heads()))
+        raise SchemaRevisionError(_unknown_message(_url_of(config), current, script.get_heads()))
     return current
 
 
@@ -126,13 +149,35 @@ def _revisions(script: ScriptDirectory) -> set[str]:
     return {revision.revision for revision in script.walk_revisions()}
 
 
-def _newer_message(current: str, heads: Sequence[str]) -> str:
+def _unknown_message(database_url: str, current: str, heads: Sequence[str]) -> str:
+    # Unknown is all this release can tell: the revision of a newer release, or of
+    # another application's migrations in the same database, read alike.
     newest = ", ".join(heads)
     return (
-        f"the database is at revision {current}, newer than this release (its newest is "
-        f"{newest}): run the newer release, or migrate back with its tiergate migrate "
-        f"--revision {newest}"
+        f"the database at {_named(database_url)} is at revision {current}, which this "
+        f"release does not know (its newest is {newest}): if a newer release migrated it, "
+        f"run that release, or migrate back with its tiergate migrate --revision {newest}; "
+        "if another application did, give tiergate a database of its own"
     )
+
+
+def _migrating(config: Config, current: str | None, run: Callable[[], None]) -> None:
+    """Run an upgrade or downgrade; a statement the database refuses is one message
+    naming the database, not the driver's traceback (the transaction rolls back)."""
+    try:
+        run()
+    except DBAPIError as exc:
+        # asyncpg's errors read "<class '...DuplicateTableError'>: relation ... exists".
+        reason = re.sub(r"^<class '[^']*'>: ", "", str(exc.orig).splitlines()[0])
+        hint = (
+            "it holds tables but no tiergate revision: give tiergate an empty database "
+            "of its own, or drop those tables"
+            if current is None
+            else f"its schema is not the one revision {current} made"
+        )
+        raise SchemaRevisionError(
+            f"cannot migrate the database at {_named(_url_of(config))}: {reason}; {hint}"
+        ) from None
 
 
 def upgrade_to_head(database_url: str) -> None:
@@ -144,8 +189,8 @@ def downgrade_to(database_url: str, rev: str) -> None:
     """Downgrade to revision `rev` (`"base"` drops everything the migrations created)."""
 
     def downgrade(config: Config, connection: Connection) -> None:
-        _known_current(config, connection)
-        command.downgrade(config, rev)
+        current = _known_current(config, connection)
+        _migrating(config, current, lambda: command.downgrade(config, rev))
 
     _run(database_url, downgrade)
 
@@ -165,15 +210,15 @@ def migrate_to(database_url: str, revision: str = "head") -> str | None:
         if revision == "base" or (
             current is not None and revision in _ancestry(script, current) - {current}
         ):
-            command.downgrade(config, revision)
+            _migrating(config, current, lambda: command.downgrade(config, revision))
         elif revision == "head" or revision in _revisions(script):
-            command.upgrade(config, revision)
+            _migrating(config, current, lambda: command.upgrade(config, revision))
         else:
             known = ", ".join(sorted(_revisions(script)))
             raise SchemaRevisionError(
                 f"this release has no migration {revision!r}; it knows head, base and {known}"
             )
-        return _current(connection)
+        return _current(connection, database_url)
 
     return _run(database_url, migrate)
 
@@ -183,22 +228,18 @@ def _ancestry(script: ScriptDirectory, revision: str) -> set[str]:
     return {r.revision for r in script.iterate_revisions(revision, "base")}
 
 
-def check_revision(database_url: str, *, upgrades_on_start: bool) -> None:
+def check_revision(database_url: str) -> None:
     """Raise SchemaRevisionError unless a process of this release can start on the
-    database: at the newest revision, or newer (the release before a contract step runs
-    on the expanded schema of the next one). `upgrades_on_start` (the embedded SQLite
-    database, which the process upgrades itself) accepts any older revision instead, and
-    refuses a newer one, which it cannot upgrade from."""
+    database without upgrading it: at the newest revision, or at one this release does
+    not know, which it takes for a newer one (the release before a contract step runs on
+    the expanded schema of the next one). A process that upgrades the database itself
+    calls upgrade_to_head instead."""
     current = current_revision(database_url)
     heads = head_revisions()
     if current in heads:
         return
     script = ScriptDirectory.from_config(alembic_config(database_url))
-    if current is not None and current not in _revisions(script):
-        if upgrades_on_start:
-            raise SchemaRevisionError(_newer_message(current, heads))
-        return
-    if not upgrades_on_start:
+    if current is None or current in _revisions(script):
         raise SchemaRevisionError(
             f"the database is at revision {current or 'none'}; this release needs "
             f"{', '.join(heads)}: run tiergate migrate"
@@ -217,7 +258,7 @@ def current_revision(database_url: str) -> str | None:
         engine = create_db_engine(database_url)
         try:
             async with engine.connect() as connection:
-                return await connection.run_sync(_current)
+                return await connection.run_sync(_current, database_url)
         finally:
             await engine.dispose()
 

@@ -118,7 +118,7 @@ def test_migrate_refuses_a_database_ahead_of_the_code(migrated_database_url: str
         ran = _tiergate(*argv, "--database-url", migrated_database_url)
         assert ran.returncode == 2, ran.stderr[-3000:]
         [line] = ran.stderr.splitlines()
-        assert f"the database is at revision {FUTURE}, newer than this release" in line
+        assert f"is at revision {FUTURE}, which this release does not know" in line
     assert current_revision(migrated_database_url) == FUTURE
 
 
@@ -131,7 +131,7 @@ def test_serve_refuses_an_embedded_database_ahead_of_the_code(tmp_path: Path) ->
     ran = _tiergate("serve", "--data-dir", str(tmp_path), "--port", str(_free_port()))
     assert ran.returncode == 2, ran.stderr[-3000:]
     [line] = ran.stderr.splitlines()
-    assert f"the database is at revision {FUTURE}, newer than this release" in line
+    assert f"is at revision {FUTURE}, which this release does not know" in line
 
 
 @pytest.mark.slow
@@ -197,3 +197,75 @@ def test_migrations_at_once_on_a_fresh_database(postgres_url: str) -> None:
                 proc.kill()
                 proc.communicate()
     assert current_revision(postgres_url) == head_revisions()[0]
+
+
+def _execute(url: str, *statements: str) -> None:
+    async def run() -> None:
+        engine = create_db_engine(url)
+        try:
+            async with engine.begin() as conn:
+                for statement in statements:
+                    await conn.execute(text(statement))
+        finally:
+            await engine.dispose()
+
+    asyncio.run(run())
+
+
+def _redacted(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def test_a_database_with_tables_but_no_revision_is_one_line(database_url: str) -> None:
+    # Another application's table of the same name: the schema cannot be created there.
+    _execute(database_url, "CREATE TABLE tenants (id int)")
+    ran = _tiergate("migrate", "--database-url", database_url)
+    assert ran.returncode == 2, ran.stderr[-3000:]
+    [line] = ran.stderr.splitlines()
+    assert line.startswith(
+        f"tiergate: error: cannot migrate the database at {_redacted(database_url)}"
+    )
+    assert "tenants" in line
+    assert "already exists" in line
+    assert "tiergate migrate" in line or "database of its own" in line
+    assert current_revision(database_url) is None  # nothing half-created stays behind
+
+
+def test_serve_refuses_an_embedded_database_it_cannot_create_the_schema_in(tmp_path: Path) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'tiergate.db'}"
+    _execute(url, "CREATE TABLE tiers (id int)")
+    ran = _tiergate("serve", "--data-dir", str(tmp_path), "--port", str(_free_port()))
+    assert ran.returncode == 2, ran.stderr[-3000:]
+    [line] = ran.stderr.splitlines()
+    assert "cannot migrate the database at" in line
+    assert "table tiers already exists" in line
+
+
+def test_a_version_table_with_two_rows_is_one_line(migrated_database_url: str) -> None:
+    _execute(migrated_database_url, "INSERT INTO alembic_version (version_num) VALUES ('abcd')")
+    for argv in (
+        ["migrate"],
+        ["usage", "rebuild-rollup", "--start", "2025-06-01", "--end", "2025-06-02"],
+    ):
+        ran = _tiergate(*argv, "--database-url", migrated_database_url)
+        assert ran.returncode == 2, (argv, ran.stderr[-3000:])
+        [line] = ran.stderr.splitlines()
+        assert f"the database at {_redacted(migrated_database_url)}" in line, line
+        assert "alembic_version" in line
+        assert "abcd" in line
+        assert head_revisions()[0] in line
+
+
+def test_a_revision_this_release_does_not_know_is_called_unknown(
+    migrated_database_url: str,
+) -> None:
+    # 'abcd' is no revision of any tiergate release: another application's, perhaps.
+    _set_revision(migrated_database_url, "abcd")
+    ran = _tiergate("migrate", "--database-url", migrated_database_url)
+    assert ran.returncode == 2, ran.stderr[-3000:]
+    [line] = ran.stderr.splitlines()
+    assert "revision abcd, which this release does not know" in line
+    assert "newer than this release" not in line
+    assert f"the database at {_redacted(migrated_database_url)}" in line
