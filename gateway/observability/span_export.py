@@ -46,7 +46,13 @@ DROP_WARNING_INTERVAL_S = 10.0
 MAX_REQUESTS_PER_POST = 1024  # what the child gathers into one export request
 EXPORT_NICENESS = 10  # added to the child's nice value: about a tenth of a busy core's share
 _END = b"end"  # the gateway's last datagram: export what is left, then exit
-_CHILD = "import sys; from gateway.observability.span_export import main; sys.exit(main())"
+# The child ignores SIGINT, first thing: a terminal's ^C goes to the whole process group,
+# and the gateway, which owns shutdown, sends _END once it has flushed (killed by the ^C,
+# the child printed a KeyboardInterrupt traceback and its spans were lost).
+_CHILD = (
+    "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+    "import sys; from gateway.observability.span_export import main; sys.exit(main())"
+)
 
 
 def _float_env(environ: Mapping[str, str], name: str, default: float) -> float:
@@ -163,8 +169,10 @@ class ProcessSpanSink:
         self._flusher.join(timeout_s)
         self.flush()
         deadline = time.monotonic() + timeout_s
-        while not self._send(_END) and time.monotonic() < deadline:
-            time.sleep(0.01)  # the child is draining a full buffer
+        # Offered again while the child drains a full buffer; a child that is gone will
+        # never take it (the gateway waited out the whole deadline for one).
+        while not self._send(_END) and self._process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
         try:
             self._process.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:

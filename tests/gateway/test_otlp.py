@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import gzip
 import os
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -32,7 +37,8 @@ from gateway.observability.otlp import (
 )
 from gateway.observability.span_export import EXPORT_NICENESS, ProcessSpanSink
 from gateway.observability.tracing import TraceRecord
-from tests.gateway.conftest import ServerThread
+from tests.fleet_processes import free_port
+from tests.gateway.conftest import ROOT, ServerThread, output_until_started, reap
 
 RESOURCE = Resource.create({"service.name": "tiergate-test", "deployment": "ci"})
 SCOPES = [InstrumentationScope("tiergate.gateway"), InstrumentationScope("other", "1.2")]
@@ -287,3 +293,53 @@ def test_a_dead_export_process_costs_spans_not_requests(receiver: Receiver) -> N
 
 def _count(message: ExportTraceServiceRequest) -> int:
     return sum(len(ss.spans) for rs in message.resource_spans for ss in rs.scope_spans)
+
+
+def test_shutdown_ends_at_once_when_the_export_process_is_gone(receiver: Receiver) -> None:
+    # It kept offering its last datagram to the dead child until its deadline (10 s).
+    environ = {
+        **os.environ,
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.thread.port}",
+    }
+    sink = ProcessSpanSink(RESOURCE, SCOPES[0], environ)
+    sink._process.kill()
+    sink._process.wait()
+    started = time.monotonic()
+    sink.shutdown(timeout_s=10)
+    assert time.monotonic() - started < 2
+
+
+def test_ctrl_c_of_a_tracing_serve_ends_it_at_once_and_quietly(tmp_path: Path) -> None:
+    """A terminal's ^C goes to the whole process group, the export process included: it
+    died with a KeyboardInterrupt traceback, and serve then waited 10 s for it."""
+    with socket.socket() as unused:  # nothing receives the spans; none are made anyway
+        unused.bind(("127.0.0.1", 0))
+        otlp_port = unused.getsockname()[1]
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)],
+        cwd=ROOT,
+        env={
+            "PATH": "/usr/bin:/bin",
+            "TIERGATE_DATA_DIR": str(tmp_path),
+            "TIERGATE_DEVICE": "cpu",
+            "TIERGATE_MAX_MODEL_LEN": "256",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_port}",
+        },
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # a group of its own, as a shell gives a command
+    )
+    try:
+        output = output_until_started(proc)
+        assert "Application startup complete" in output, output[-3000:]
+        started = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        output += proc.communicate(timeout=30)[0]
+        took_s = time.monotonic() - started
+    finally:
+        reap(proc)
+    assert took_s < 5, (took_s, output[-3000:])
+    for noise in ("Traceback", "KeyboardInterrupt", "did not finish"):
+        assert noise not in output, output[-3000:]
