@@ -14,7 +14,6 @@ import fcntl
 import logging
 import math
 import os
-import re
 import secrets
 import shlex
 import socket
@@ -26,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.cli_output import print_subcommand_help
 from gateway.errors import GatewayError
-from gateway.settings import Settings, SettingsError, settings_from_env
+from gateway.settings import Settings, SettingsError, redacted_url, settings_from_env
 
 if TYPE_CHECKING:
     from scheduler.dispatcher import EngineLike
@@ -311,7 +310,7 @@ def _migrate(args: argparse.Namespace) -> int:
     asyncio.run(_reach_database(settings))
     reached = migrate_to(settings.db_url, args.revision)
     where = "the newest revision" if args.revision == "head" else f"revision {reached or 'base'}"
-    print(f"database is at {where}: {_redacted(settings.db_url)}")
+    print(f"database is at {where}: {redacted_url(settings.db_url)}")
     return 0
 
 
@@ -565,7 +564,7 @@ async def _reach_database(settings: Settings) -> None:
             await connection.execute(text("SELECT 1"))
     except Exception as exc:
         raise SettingsError(
-            f"cannot reach the database at {_redacted(settings.db_url)}: {_reason(exc)}"
+            f"cannot reach the database at {redacted_url(settings.db_url)}: {_reason(exc)}"
         ) from None
     finally:
         await engine.dispose()
@@ -588,7 +587,7 @@ async def _reach_redis(settings: Settings) -> None:
                 await channel.call("PING")
     except Exception as exc:
         raise SettingsError(
-            f"cannot reach Redis at {_redacted_redis(settings.redis_url)}: {_reason(exc)}"
+            f"cannot reach Redis at {redacted_url(settings.redis_url)}: {_reason(exc)}"
         ) from None
     finally:
         if channel is not None:
@@ -661,20 +660,6 @@ def _demo_banner(settings: Settings, tenants: list, generated_token: bool) -> st
         "",
     ]
     return "\n".join(lines)
-
-
-def _redacted_redis(url: str) -> str:
-    """A Redis URL without its password, which a start-up error must not print."""
-    try:
-        return _redacted(url)
-    except Exception:  # a URL SQLAlchemy cannot parse (redis-py may still take it)
-        return re.sub(r"://[^@/]*@", "://***@", url)
-
-
-def _redacted(url: str) -> str:
-    from sqlalchemy.engine import make_url
-
-    return make_url(url).render_as_string(hide_password=True)
 
 
 if __name__ == "__main__":

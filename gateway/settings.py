@@ -140,21 +140,33 @@ def _check_database_url(url: str) -> None:
         raise SettingsError(
             f"database_url must use sqlite+aiosqlite or postgresql+asyncpg, not {parsed.drivername}"
         )
-    if backend == "sqlite" and parsed.database in (None, "", ":memory:"):
+    if backend == "sqlite" and (
+        parsed.database in (None, "", ":memory:") or parsed.query.get("mode") == "memory"
+    ):
         # Each connection would get its own empty database: the one the schema was
         # migrated on is gone before the server reads its tiers.
         raise SettingsError(
-            f"database_url {url!r} is an in-memory SQLite database, which no two "
+            f"database_url {redacted_url(url)!r} is an in-memory SQLite database, which no two "
             "connections share; give a file path (sqlite+aiosqlite:///PATH)"
         )
+
+
+def redacted_url(url: str) -> str:
+    """A database or Redis URL without its password, which an error must not print."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # a URL SQLAlchemy cannot parse (redis-py may still take it)
+        return re.sub(r"://[^@/]*@", "://***@", url)
 
 
 def _check_redis_url(url: str) -> None:
     scheme, has_scheme, _ = url.partition("://")
     if scheme not in ("redis", "rediss", "unix") or not has_scheme:
         raise SettingsError(
-            f"redis_url {url!r} is not a Redis URL; use redis://HOST:PORT/DB (rediss:// for "
-            "TLS, unix:// for a socket)"
+            f"redis_url {redacted_url(url)!r} is not a Redis URL; use redis://HOST:PORT/DB "
+            "(rediss:// for TLS, unix:// for a socket)"
         )
     # redis-py reads a database number it cannot parse as none, that is db 0: a typo put
     # one deployment's keys into another's database.
@@ -165,7 +177,7 @@ def _check_redis_url(url: str) -> None:
     for number in numbers:
         if not number.isascii() or not number.isdigit():
             raise SettingsError(
-                f"redis_url {url!r} names database {number!r}; a Redis database is a "
+                f"redis_url {redacted_url(url)!r} names database {number!r}; a Redis database is a "
                 "number (redis://HOST:PORT/DB)"
             )
 

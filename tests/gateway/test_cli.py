@@ -86,6 +86,7 @@ def test_settings_defaults_env_and_flags(tmp_path: Path) -> None:
         # A database no other connection shares: the migrated one was gone at start.
         {"TIERGATE_DATABASE_URL": "sqlite+aiosqlite:///:memory:"},
         {"TIERGATE_DATABASE_URL": "sqlite+aiosqlite://"},
+        {"TIERGATE_DATABASE_URL": "sqlite+aiosqlite:///file:x?mode=memory&uri=true"},
         # Tokens no client can send as they are (one with a space, a non-ASCII one that
         # passed or not by the client's header encoding) or guess in a few tries.
         {"TIERGATE_ADMIN_TOKEN": "has space in the middle"},
@@ -96,6 +97,14 @@ def test_settings_defaults_env_and_flags(tmp_path: Path) -> None:
 def test_bad_settings_are_reported(env: dict[str, str]) -> None:
     with pytest.raises(SettingsError):
         settings_from_env(env)
+
+
+def test_a_refused_redis_url_is_printed_without_its_password() -> None:
+    for url in ("redis://:hunter2-secret@127.0.0.1:6379/9x", "http://:hunter2-secret@h/0"):
+        with pytest.raises(SettingsError) as refused:
+            settings_from_env({"TIERGATE_REDIS_URL": url})
+        assert "hunter2" not in str(refused.value)
+        assert "***" in str(refused.value)
 
 
 @pytest.mark.parametrize(
