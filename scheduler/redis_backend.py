@@ -493,13 +493,13 @@ class RedisBackend:
             ]
             if status is None:
                 continue
-            if num_tokens is None:
-                # Published by a worker of the release before, which kept no count: its
-                # entries, less the done or error event (a cancel writes none), one token
-                # each as it decodes (a batched entry holds more: an overestimate of the
-                # time left).
-                ended = status not in (JobStatus.QUEUED, JobStatus.LEASED)
-                num_tokens = max(0, int(num_entries) - ended)
+            # A worker of the release before keeps no count: its entries, less the done
+            # or error event (a cancel writes none), hold at least a token each. During
+            # a rolling upgrade one job can be streamed by both (an old worker's, resumed
+            # by a new one): `nt` then misses the old worker's tokens, and the larger of
+            # the two is the nearer (Retry-After came out 15-18x the wait).
+            ended = status not in (JobStatus.QUEUED, JobStatus.LEASED)
+            num_tokens = max(int(num_tokens or 0), int(num_entries) - ended)
             out.append(
                 JobProgress(
                     job_id,

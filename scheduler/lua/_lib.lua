@@ -319,10 +319,15 @@ end
 -- Back to its arrival position in its tenant's queue, ahead of every later arrival.
 -- Admitted work that already ran is never dropped for having queued too long, so no
 -- expiry is set again.
+-- Its token count ('nt') restarts from the stream's tokens: a worker of the release
+-- before counted none of those it streamed.
 local function requeue_job(id, resumed_csv)
   free_seq(id)
   local h = redis.call('HMGET', K.job .. id, 'tier', 'tenant', 'seq', 'pin', 'dec', 'dl')
-  redis.call('HSET', K.job .. id, 'st', 'queued', 'res', resumed_csv, 'wk', '', 'lu', 0, 'ex', '')
+  local resumed = 0
+  if resumed_csv ~= '' then resumed = select(2, string.gsub(resumed_csv, ',', '')) + 1 end
+  redis.call('HSET', K.job .. id, 'st', 'queued', 'res', resumed_csv, 'wk', '', 'lu', 0, 'ex', '',
+    'nt', resumed)
   redis.call('ZREM', K.leases, id)
   push(id, h[1], h[2], h[3], tonumber(h[4]), tonumber(h[5]), h[6])
 end

@@ -67,3 +67,22 @@ async def test_tokens_are_counted_not_entries(backend, make_job) -> None:
     assert await backend.publish_step("batched", "w1", [7, 8], finish_reason="length")
     progress = await backend.job_progress(["batched", "one-event"])
     assert [(p.job_id, p.num_tokens) for p in progress] == [("batched", 22), ("one-event", 3)]
+
+
+async def test_a_job_streamed_by_workers_of_two_releases_counts_both(
+    backend, make_job, redis_client
+) -> None:
+    # A rolling upgrade: a worker of the release before (which keeps no `nt` count)
+    # streamed 12 tokens, one entry each, then died; a new worker resumed the job.
+    if not isinstance(backend, RedisBackend):
+        return  # one release at a time runs in a process
+    await backend.enqueue(make_job("t", job_id="rolled", max_tokens=100))
+    await backend.dispatch_many("w-old", LEASE_MS, 1)
+    results = backend._keys.results("rolled")
+    for token in range(12):
+        await redis_client.xadd(results, {"k": "tokens", "t": str(token), "x": "a"})
+    await backend.requeue("rolled", worker_id="w-old")
+    await backend.dispatch_many("w-new", LEASE_MS, 1)
+    assert await backend.publish_step("rolled", "w-new", [1, 2, 3])
+    (progress,) = await backend.job_progress(["rolled"])
+    assert progress.num_tokens == 15
