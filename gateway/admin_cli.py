@@ -6,8 +6,9 @@
 
 The server is `--url` (TIERGATE_URL, default http://127.0.0.1:8000) and the token
 `--admin-token` (TIERGATE_ADMIN_TOKEN). Output is the API's JSON; an API error goes to
-stderr with exit status 1, an unreachable server or bad usage exits with 2. A limit
-flag set to `none` clears it (unlimited).
+stderr with exit status 1; bad usage, an unreachable server or one with no admin API
+(its admin API off, or --url not a tiergate server's root) exits with 2. A limit flag
+set to `none` clears it (unlimited).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import httpx
 
@@ -306,9 +307,40 @@ def _call(args: argparse.Namespace, method: str, path: str, body: Any = None) ->
         payload = response.json()
     except ValueError:
         payload = {"status": response.status_code, "body": response.text}
+    if not response.is_success:
+        reason = no_admin_api(args.url, response.status_code, payload)
+        if reason is not None:
+            print(f"tiergate admin: {reason}", file=sys.stderr)
+            return 2
     out = sys.stdout if response.is_success else sys.stderr
     print_json(payload, out)
     return 0 if response.is_success else 1
+
+
+def no_admin_api(url: str, status: int, payload: Any) -> str | None:
+    """Why there is no admin API at `url`, when a refusal says so; None for a refusal
+    of the admin API itself (an unknown tier, a bad field), which is printed as it is."""
+    error = payload.get("error") if isinstance(payload, dict) else None
+    if not isinstance(error, dict) or "type" not in error:
+        return (
+            f"{url} answered {status} without a tiergate error: it is not a tiergate "
+            "server (or a proxy in front of one answered)"
+        )
+    if error.get("code") == "admin_api_disabled":
+        return (
+            f"the admin API is off on the server at {url}: it was started without "
+            "TIERGATE_ADMIN_TOKEN (set it, or serve --admin-token, to turn the API on)"
+        )
+    if status == 404 and error.get("code") == "unknown_url":
+        # The CLI asks only for paths the admin API has.
+        path = urlsplit(url).path
+        if path.strip("/"):
+            return f"--url {url} is not the server's root: leave out {path!r}"
+        return (
+            f"the server at {url} has no {API_PREFIX}: a tiergate older than this command "
+            "answers so when its admin API is off (no TIERGATE_ADMIN_TOKEN)"
+        )
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

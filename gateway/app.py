@@ -302,7 +302,19 @@ async def _build_router(
         routes.append(Route("/admin/ui", _to_dashboard, methods=["GET"]))
     else:
         log.warning("TIERGATE_ADMIN_TOKEN is not set: the admin API is disabled")
+        routes.append(Mount("/admin", app=_admin_disabled))
     return _router(routes)
+
+
+async def _admin_disabled(scope: Scope, receive: Receive, send: Send) -> None:
+    """/admin/... while the admin API is off: a 404 as for any unknown URL, so nothing
+    else is revealed, but with its own code, so `tiergate admin` can say the API is off
+    instead of leaving an operator to wonder whether --url is wrong."""
+    error = NotFoundError(
+        "The admin API is disabled: the server was started without TIERGATE_ADMIN_TOKEN.",
+        code="admin_api_disabled",
+    )
+    await error_response(error)(scope, receive, send)
 
 
 async def _to_dashboard(_request: Request) -> Response:

@@ -7,7 +7,9 @@ import json
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
+import httpx
 import pytest
 import uvicorn
 from starlette.applications import Starlette
@@ -18,6 +20,7 @@ from gateway.admin_cli import main
 from gateway.auth import KeyAuthenticator
 from gateway.db.session import create_db_engine, create_sessionmaker
 from gateway.tiers import TierCatalog
+from tests.gateway.conftest import ServerThread, build_test_engine
 
 TOKEN = "cli-admin-token"
 
@@ -57,6 +60,21 @@ def server_url(migrated_database_url: str) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+@pytest.fixture
+def admin_off_url(tmp_path: Path) -> Iterator[str]:
+    """The real gateway started without TIERGATE_ADMIN_TOKEN: its admin API is off."""
+    from gateway.app import build_app
+    from gateway.settings import Settings
+
+    settings = Settings(data_dir=tmp_path, admin_token=None, model="tiny-random", device="cpu")
+    thread = ServerThread(build_app(settings, engine=build_test_engine()))
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{thread.port}"
+    finally:
+        thread.stop()
 
 
 def _run(capsys, url: str, *argv: str, token: str = TOKEN) -> tuple[int, dict | None, str]:
@@ -121,6 +139,10 @@ def test_admin_cli_refusals(server_url: str, capsys) -> None:
     code, _, err = _run(capsys, "http://127.0.0.1:9", "tiers", "list")  # nothing listens
     assert code == 2
     assert "cannot reach" in err
+    # No tiergate error at all (Starlette's plain-text 404): not a tiergate server.
+    code, _, err = _run(capsys, server_url + "/elsewhere", "tiers", "list")
+    assert code == 2
+    assert "not a tiergate server" in err
     code, _, err = _run(capsys, server_url, "tiers", "list", token="")
     assert code == 2
     assert "TIERGATE_ADMIN_TOKEN" in err
@@ -186,3 +208,21 @@ def test_a_malformed_url_is_one_line_and_exit_2(url: str, capsys) -> None:
     assert "not a valid URL" in capsys.readouterr().err
     assert batch_main(["status", "batch_x", "--url", url, "--api-key", "tg-x"]) == 2
     assert "not a valid URL" in capsys.readouterr().err
+
+
+def test_a_server_with_its_admin_api_off_is_told_from_a_wrong_url(
+    admin_off_url: str, capsys
+) -> None:
+    """Both answered 404 `Unknown URL /admin/v1/tiers`, printed with exit status 1: it
+    read the same whether the admin API was off or --url was not the server's root."""
+    code, out, err = _run(capsys, admin_off_url, "tiers", "list")
+    assert (code, out) == (2, None)
+    assert "admin API is off" in err
+    assert "TIERGATE_ADMIN_TOKEN" in err
+    # Still a 404, as for any unknown URL: only its code says more.
+    reply = httpx.get(f"{admin_off_url}/admin/v1/tiers")
+    assert (reply.status_code, reply.json()["error"]["code"]) == (404, "admin_api_disabled")
+    # A path in --url: the gateway does not know /v1/admin/v1/tiers.
+    code, _, err = _run(capsys, admin_off_url + "/v1", "tiers", "list")
+    assert code == 2
+    assert "not the server's root" in err
