@@ -7,9 +7,10 @@
 
 The server is `--url` (TIERGATE_URL, default http://127.0.0.1:8000), the tenant key
 `--api-key` (TIERGATE_API_KEY, else OPENAI_API_KEY). `--wait` draws a progress bar
-(completed/failed/total, rate, ETA) until the batch ends. Exit status: 0 on success, 1
-for an API error or a batch that did not complete, 2 for bad usage or an unreachable
-server.
+(completed/failed/total, rate, ETA) until the batch ends. `submit` checks --metadata
+before it uploads, and deletes its upload when the API refuses the batch. Exit status:
+0 on success, 1 for an API error or a batch that did not complete, 2 for bad usage or
+an unreachable server.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any, TextIO
 import httpx
 
 from gateway.admin_cli import BadIdError, is_token_text, path_segment, positive_seconds
+from gateway.batch_metadata import metadata_problem
 from gateway.cli_output import print_json, print_subcommand_help
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -40,6 +42,7 @@ class ApiError(Exception):
     def __init__(self, payload: Any) -> None:
         super().__init__(json.dumps(payload))
         self.payload = payload
+        self.note: str | None = None  # what the CLI did about it, printed after it
 
 
 class BatchClient:
@@ -83,6 +86,9 @@ class BatchClient:
         if metadata:
             body["metadata"] = metadata
         return self._check(self._http.post("/batches", json=body)).json()
+
+    def delete_file(self, file_id: str) -> None:
+        self._check(self._http.delete(f"/files/{path_segment(file_id)}"))
 
     def get(self, batch_id: str) -> dict[str, Any]:
         return self._check(self._http.get(f"/batches/{path_segment(batch_id)}")).json()
@@ -169,6 +175,8 @@ def _run(args: argparse.Namespace, action: Callable[[BatchClient, argparse.Names
         return 1
     except ApiError as exc:
         print_json(exc.payload, sys.stderr)
+        if exc.note:
+            print(f"tiergate batch: {exc.note}", file=sys.stderr)
         return 1
     except httpx.InvalidURL as exc:  # not an HTTPError: raised before any connection
         print(f"tiergate batch: --url {args.url!r} is not a valid URL: {exc}", file=sys.stderr)
@@ -199,15 +207,53 @@ def _submit(client: BatchClient, args: argparse.Namespace) -> int:
         if not sep:
             print(f"tiergate batch: --metadata wants KEY=VALUE, not {pair!r}", file=sys.stderr)
             return 2
+        if not _is_utf8(pair):  # bytes argv could not decode: no JSON body can hold them
+            print(f"tiergate batch: --metadata {pair!r} is not UTF-8 text", file=sys.stderr)
+            return 2
         metadata[key] = value
-    uploaded = client.upload(args.file)
-    batch = client.create(uploaded["id"], args.endpoint, metadata)
+    problem = metadata_problem(metadata)
+    if problem is not None:
+        print(f"tiergate batch: --metadata: {problem[0]}", file=sys.stderr)
+        return 2
+    batch = submit_batch(client, args.file, args.endpoint, metadata)
     if not args.wait:
         return _print(batch)
     print(batch["id"], file=sys.stderr)
     batch = follow(client, batch["id"], poll_s=args.poll_s, out=sys.stderr)
     _print(batch)
     return 0 if batch["status"] == "completed" else 1
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def submit_batch(
+    client: BatchClient, path: Path, endpoint: str, metadata: dict[str, str]
+) -> dict[str, Any]:
+    """Upload `path` and create a batch of it; a batch the API refuses (ApiError) takes
+    its upload with it, which would otherwise count against the tenant's file quota."""
+    uploaded = client.upload(path)
+    try:
+        return client.create(uploaded["id"], endpoint, metadata)
+    except ApiError as exc:
+        exc.note = _delete_upload(client, uploaded["id"])
+        raise
+
+
+def _delete_upload(client: BatchClient, file_id: str) -> str:
+    try:
+        client.delete_file(file_id)
+    except (ApiError, httpx.HTTPError) as exc:
+        return (
+            f"could not delete {file_id}, uploaded for the refused batch ({exc}); "
+            f"delete it with DELETE /v1/files/{file_id}"
+        )
+    return f"deleted {file_id}, uploaded for the refused batch"
 
 
 def follow(client: BatchClient, batch_id: str, *, poll_s: float, out: TextIO) -> dict[str, Any]:

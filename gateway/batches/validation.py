@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway import json_body
+from gateway.batch_metadata import metadata_problem
 from gateway.errors import InvalidRequestError
 from gateway.openai.schemas import parse_json_object
 from gateway.settings import DEFAULT_MAX_BODY_BYTES
@@ -24,9 +25,6 @@ COMPLETION_WINDOWS_S = {"24h": 86_400}
 MAX_INPUT_LINES = 50_000
 MAX_INPUT_BYTES = 200 * 1024 * 1024
 MAX_CUSTOM_ID_CHARS = 512
-MAX_METADATA_PAIRS = 16
-MAX_METADATA_KEY_CHARS = 64
-MAX_METADATA_VALUE_CHARS = 512
 # A broken file can hold 50,000 bad lines; the batch object reports the first ones.
 MAX_REPORTED_ERRORS = 1_000
 # What a line may hold besides its body: the envelope's keys, a custom_id of
@@ -105,22 +103,10 @@ def _metadata(raw: Any) -> dict[str, str] | None:
         return None
     if not isinstance(raw, dict):
         raise InvalidRequestError("metadata must be an object.", param="metadata")
-    if len(raw) > MAX_METADATA_PAIRS:
-        raise InvalidRequestError(
-            f"metadata may hold at most {MAX_METADATA_PAIRS} pairs.", param="metadata"
-        )
-    for key, value in raw.items():
-        if len(key) > MAX_METADATA_KEY_CHARS or not isinstance(value, str):
-            raise InvalidRequestError(
-                f"metadata keys are strings of at most {MAX_METADATA_KEY_CHARS} characters "
-                "and values are strings.",
-                param=f"metadata.{key}",
-            )
-        if len(value) > MAX_METADATA_VALUE_CHARS:
-            raise InvalidRequestError(
-                f"metadata values are at most {MAX_METADATA_VALUE_CHARS} characters.",
-                param=f"metadata.{key}",
-            )
+    problem = metadata_problem(raw)
+    if problem is not None:
+        message, param = problem
+        raise InvalidRequestError(message, param=param)
     return dict(raw)
 
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from gateway.batch_cli import progress_line
+from gateway.batch_cli import ApiError, BatchClient, progress_line, submit_batch
 from gateway.cli import main
 
 if TYPE_CHECKING:
@@ -168,3 +168,41 @@ def test_results_of_a_failed_batch_say_why_and_exit_1(
     assert main([*results, *flags]) == 2
     assert "name the same file" in capsys.readouterr().err
     assert not same.exists()
+
+
+def _file_ids(server: LiveServer, key: str) -> list[str]:
+    with server.client(key) as client:
+        return [f.id for f in client.files.list()]
+
+
+def test_metadata_the_api_refuses_is_refused_before_the_upload(
+    live_server: LiveServer, tmp_path: Path, capsys
+) -> None:
+    """The file was uploaded, then the batch refused (400), and the file stayed behind,
+    counted against the tenant's file quota."""
+    key = _key(live_server)
+    flags = ["--url", live_server.base_url, "--api-key", key]
+    path = _input(tmp_path, 1)
+    for metadata in (["k=" + "v" * 513], ["k" * 65 + "=v"], [f"k{i}=v" for i in range(17)]):
+        pairs = [arg for pair in metadata for arg in ("--metadata", pair)]
+        assert main(["batch", "submit", str(path), *pairs, *flags]) == 2
+        assert "tiergate batch: --metadata: metadata" in capsys.readouterr().err
+    # Text that is not UTF-8 (bytes argv could not decode): a traceback from httpx before.
+    assert main(["batch", "submit", str(path), "--metadata", "k=\udcff", *flags]) == 2
+    assert "not UTF-8" in capsys.readouterr().err
+    assert _file_ids(live_server, key) == []
+
+
+def test_a_refused_batch_deletes_the_file_uploaded_for_it(
+    live_server: LiveServer, tmp_path: Path
+) -> None:
+    """submit_batch as `batch submit` calls it, past the CLI's own checks: the API's
+    refusal is raised and the upload it made is gone."""
+    key = _key(live_server)
+    path = _input(tmp_path, 1)
+    client = BatchClient(live_server.base_url, key, timeout_s=30)
+    with client, pytest.raises(ApiError) as refused:
+        submit_batch(client, path, "/v1/completions", {"k": "v" * 513})
+    assert refused.value.payload["error"]["param"] == "metadata.k"
+    assert (refused.value.note or "").startswith("deleted file-")
+    assert _file_ids(live_server, key) == []
