@@ -1,16 +1,17 @@
 """`tiergate batch ...`: submit a JSONL file as a batch, follow it, fetch its results.
 
     tiergate batch submit FILE.jsonl [--endpoint /v1/chat/completions] [--wait]
-    tiergate batch status BATCH_ID
+    tiergate batch status BATCH_ID [--wait]
     tiergate batch results BATCH_ID -o out.jsonl [--errors errors.jsonl]
     tiergate batch cancel BATCH_ID
 
 The server is `--url` (TIERGATE_URL, default http://127.0.0.1:8000), the tenant key
 `--api-key` (TIERGATE_API_KEY, else OPENAI_API_KEY). `--wait` draws a progress bar
-(completed/failed/total, rate, ETA) until the batch ends. `submit` checks --metadata
-before it uploads, and deletes its upload when the API refuses the batch. Exit status:
-0 on success, 1 for an API error or a batch that did not complete, 2 for bad usage or
-an unreachable server.
+(completed/failed/total, the rate of lines run, ETA) until the batch ends; `status
+--wait` takes up following a batch again (after a Ctrl-C of `submit --wait`). `submit`
+checks --metadata before it uploads, and deletes its upload when the API refuses the
+batch. Exit status: 0 on success, 1 for an API error or a batch that did not complete,
+2 for bad usage or an unreachable server.
 """
 
 from __future__ import annotations
@@ -135,7 +136,13 @@ def add_batch_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
     status = actions.add_parser("status", help="show a batch", parents=[common])
     status.add_argument("batch_id")
-    status.set_defaults(func=lambda args: _run(args, lambda c, a: _print(c.get(a.batch_id))))
+    status.add_argument(
+        "--wait", action="store_true", help="follow the batch until it ends (as submit --wait)"
+    )
+    status.add_argument(
+        "--poll-s", type=positive_seconds, default=1.0, help="how often --wait polls"
+    )
+    status.set_defaults(func=lambda args: _run(args, _status))
 
     results = actions.add_parser("results", help="download a batch's results", parents=[common])
     results.add_argument("batch_id")
@@ -219,7 +226,17 @@ def _submit(client: BatchClient, args: argparse.Namespace) -> int:
     if not args.wait:
         return _print(batch)
     print(batch["id"], file=sys.stderr)
-    batch = follow(client, batch["id"], poll_s=args.poll_s, out=sys.stderr)
+    return _follow_to_end(client, batch["id"], args.poll_s)
+
+
+def _status(client: BatchClient, args: argparse.Namespace) -> int:
+    if not args.wait:
+        return _print(client.get(args.batch_id))
+    return _follow_to_end(client, args.batch_id, args.poll_s)
+
+
+def _follow_to_end(client: BatchClient, batch_id: str, poll_s: float) -> int:
+    batch = follow(client, batch_id, poll_s=poll_s, out=sys.stderr)
     _print(batch)
     return 0 if batch["status"] == "completed" else 1
 
@@ -259,22 +276,23 @@ def _delete_upload(client: BatchClient, file_id: str) -> str:
 def follow(client: BatchClient, batch_id: str, *, poll_s: float, out: TextIO) -> dict[str, Any]:
     """Poll until the batch ends, drawing its progress; the final batch object."""
     started_s = time.monotonic()
-    first_done: int | None = None
+    previous: dict[str, Any] | None = None  # the first poll: a resumed --wait's own rate
+    num_ran = 0
     is_tty = out.isatty()
     last_line = ""
     while True:
         batch = client.get(batch_id)
+        if previous is not None:
+            num_ran += lines_ran_since(previous, batch)
+        previous = batch
         counts = batch["request_counts"]
-        done = counts["completed"] + counts["failed"]
-        if first_done is None:
-            first_done = done  # a resumed --wait measures its own rate
         line = progress_line(
             batch["status"],
             counts["completed"],
             counts["failed"],
             counts["total"],
             time.monotonic() - started_s,
-            done - first_done,
+            num_ran,
         )
         if is_tty:
             out.write("\r" + line.ljust(len(last_line)))
@@ -289,6 +307,22 @@ def follow(client: BatchClient, batch_id: str, *, poll_s: float, out: TextIO) ->
         time.sleep(poll_s)
 
 
+# Statuses in which the failed count also grows by lines closed without running: the
+# cancelled or expired batch's pending lines, and those a cancel stopped in flight.
+CLOSING_STATUSES = frozenset({"cancelling", "cancelled", "expired", "failed"})
+
+
+def lines_ran_since(before: dict[str, Any], after: dict[str, Any]) -> int:
+    """Lines that ran between two polls of one batch. Failed lines count only while the
+    batch is not being closed; a line that really failed in the poll interval that ends
+    it is left out, which costs the rate less than counting every closed line."""
+    old, new = before["request_counts"], after["request_counts"]
+    num_ran = new["completed"] - old["completed"]
+    if after["status"] not in CLOSING_STATUSES:
+        num_ran += new["failed"] - old["failed"]
+    return num_ran
+
+
 def progress_line(
     status: str, completed: int, failed: int, total: int, elapsed_s: float, num_new: int
 ) -> str:
@@ -298,7 +332,7 @@ def progress_line(
     bar = "#" * filled + "-" * (BAR_WIDTH - filled)
     rate = num_new / elapsed_s if elapsed_s > 0 else 0.0
     eta = "--:--:--"
-    if rate > 0 and total:
+    if rate > 0 and total and status not in CLOSING_STATUSES:  # what is left will not run
         eta = _clock((total - done) / rate)
     return f"[{bar}] {done}/{total} done ({failed} failed) {rate:.1f} req/s ETA {eta} {status}"
 

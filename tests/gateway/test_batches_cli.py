@@ -9,7 +9,13 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from gateway.batch_cli import ApiError, BatchClient, progress_line, submit_batch
+from gateway.batch_cli import (
+    ApiError,
+    BatchClient,
+    lines_ran_since,
+    progress_line,
+    submit_batch,
+)
 from gateway.cli import main
 
 if TYPE_CHECKING:
@@ -76,6 +82,11 @@ def test_submit_wait_results_status_cancel(
 
     assert main(["batch", "status", batch["id"], *flags]) == 0
     assert json.loads(capsys.readouterr().out)["request_counts"]["completed"] == 5
+    # Following again (after a Ctrl-C of --wait): the bar, then the batch, as --wait.
+    assert main(["batch", "status", batch["id"], "--wait", "--poll-s", "0.05", *flags]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["status"] == "completed"
+    assert "6/6 done (1 failed) 0.0 req/s" in captured.err  # nothing ran while it watched
 
     out, errors = tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
     assert (
@@ -130,6 +141,35 @@ def test_progress_line() -> None:
     assert "3.0 req/s" in line
     assert "ETA 0:00:09" in line
     assert "ETA --:--:--" in progress_line("validating", 0, 0, 0, 1.0, 0)
+
+
+def _polled(status: str, completed: int, failed: int) -> dict:
+    return {"status": status, "request_counts": {"completed": completed, "failed": failed}}
+
+
+def test_lines_closed_unrun_are_not_throughput() -> None:
+    """A cancelled batch's unrun lines count as failed: `60/60 done (60 failed) 10.8 req/s`
+    took them for lines that ran."""
+    assert lines_ran_since(_polled("in_progress", 3, 1), _polled("in_progress", 7, 2)) == 5
+    assert lines_ran_since(_polled("in_progress", 7, 2), _polled("completed", 9, 3)) == 3
+    for ending in ("cancelling", "cancelled", "expired", "failed"):
+        assert lines_ran_since(_polled("in_progress", 7, 2), _polled(ending, 8, 52)) == 1
+
+
+def test_status_wait_follows_a_cancelled_batch_and_exits_1(
+    live_server: LiveServer, tmp_path: Path, capsys
+) -> None:
+    flags = ["--url", live_server.base_url, "--api-key", _key(live_server)]
+    path = _input(tmp_path, 20)
+    assert main(["batch", "submit", str(path), "--endpoint", "/v1/completions", *flags]) == 0
+    batch_id = json.loads(capsys.readouterr().out)["id"]
+    assert main(["batch", "cancel", batch_id, *flags]) == 0
+    capsys.readouterr()
+    assert main(["batch", "status", batch_id, "--wait", "--poll-s", "0.05", *flags]) == 1
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["status"] == "cancelled"
+    assert "21/21 done" in captured.err
+    assert "cancelled" in captured.err.splitlines()[-1]
 
 
 def test_results_of_a_failed_batch_say_why_and_exit_1(
