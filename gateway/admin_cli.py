@@ -8,7 +8,7 @@ The server is `--url` (TIERGATE_URL, default http://127.0.0.1:8000) and the toke
 `--admin-token` (TIERGATE_ADMIN_TOKEN). Output is the API's JSON; an API error goes to
 stderr with exit status 1; bad usage, an unreachable server or one with no admin API
 (its admin API off, or --url not a tiergate server's root) exits with 2. A limit flag
-set to `none` clears it (unlimited).
+set to `none` clears it: a tier's limit is then unlimited, a tenant's the tier's.
 """
 
 from __future__ import annotations
@@ -75,26 +75,43 @@ _int_or_none.__name__ = "integer (or none)"
 _float_or_none.__name__ = "number (or none)"
 
 
-# (flag, type) of every tier field an admin may set; `dest` is the JSON field name.
-_TIER_FLAGS: list[tuple[str, Callable[[str], Any]]] = [
-    ("--rank", integer),
-    ("--ttft-slo-ms", _float_or_none),
-    ("--tpot-slo-ms", _float_or_none),
-    ("--max-queue-ms", _float_or_none),
-    ("--max-queued-jobs", _int_or_none),
-    ("--completion-window-s", _int_or_none),
-    ("--min-share", number),
-    ("--rpm", _int_or_none),
-    ("--tpm", _int_or_none),
-    ("--max-concurrency", _int_or_none),
-    ("--price-input-per-mtok", number),
-    ("--price-output-per-mtok", number),
+# (flag, type, help) of every tier field an admin may set; `dest` is the JSON field name.
+# A tier's limits bind each of its tenants that sets none of its own.
+_TIER_FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
+    ("--rank", integer, "order of service, 0 first (0 to 1000)"),
+    (
+        "--ttft-slo-ms",
+        _float_or_none,
+        "time-to-first-token SLO; a request that cannot meet it is refused (none: no SLO)",
+    ),
+    ("--tpot-slo-ms", _float_or_none, "time-per-output-token SLO (none: no SLO)"),
+    (
+        "--max-queue-ms",
+        _float_or_none,
+        "longest a request waits queued before it is dropped (none: no limit)",
+    ),
+    (
+        "--max-queued-jobs",
+        _int_or_none,
+        "jobs of all the tier's tenants queued at once; more are refused (none: no cap)",
+    ),
+    (
+        "--completion-window-s",
+        _int_or_none,
+        "deadline of the tier's batches, when shorter than 24h (none: 24h)",
+    ),
+    ("--min-share", number, "share of capacity below which it is served first (0 to <1)"),
+    ("--rpm", _int_or_none, "requests per minute per tenant (none: unlimited)"),
+    ("--tpm", _int_or_none, "tokens per minute per tenant (none: unlimited)"),
+    ("--max-concurrency", _int_or_none, "requests per tenant at once (none: unlimited)"),
+    ("--price-input-per-mtok", number, "price of a million input tokens"),
+    ("--price-output-per-mtok", number, "price of a million output tokens"),
 ]
-_TENANT_LIMIT_FLAGS: list[tuple[str, Callable[[str], Any]]] = [
-    ("--weight", number),
-    ("--rpm", _int_or_none),
-    ("--tpm", _int_or_none),
-    ("--max-concurrency", _int_or_none),
+_TENANT_LIMIT_FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
+    ("--weight", number, "share against the tier's other tenants (0.001 to 1000; new: 1)"),
+    ("--rpm", _int_or_none, "requests per minute (none: the tier's limit)"),
+    ("--tpm", _int_or_none, "tokens per minute (none: the tier's limit)"),
+    ("--max-concurrency", _int_or_none, "requests at once (none: the tier's limit)"),
 ]
 _BODY_FIELDS = {
     "name",
@@ -103,8 +120,16 @@ _BODY_FIELDS = {
     "preemptible",
     "expires_at",
     "expires_in_s",
-    *(flag[2:].replace("-", "_") for flag, _ in _TIER_FLAGS + _TENANT_LIMIT_FLAGS),
+    *(flag[2:].replace("-", "_") for flag, _, _ in _TIER_FLAGS + _TENANT_LIMIT_FLAGS),
 }
+
+
+# In every --help: argparse rewraps it, so it is one paragraph.
+EXIT_STATUS_EPILOG = (
+    "exit status: 0 done, 1 the API refused the request (its error on stderr), 2 bad "
+    "usage, or no admin API at --url (unreachable, not a tiergate server, or its admin "
+    "API off)"
+)
 
 
 def _connection_flags() -> argparse.ArgumentParser:
@@ -123,10 +148,12 @@ def _connection_flags() -> argparse.ArgumentParser:
     return common
 
 
-def _add_fields(parser: argparse.ArgumentParser, flags) -> None:
-    for flag, kind in flags:
+def _add_fields(parser: argparse.ArgumentParser, flags, *, required: tuple[str, ...] = ()) -> None:
+    for flag, kind, help_ in flags:
         # SUPPRESS: a flag not given is not sent, so PATCH changes only what was asked.
-        parser.add_argument(flag, type=kind, default=argparse.SUPPRESS)
+        parser.add_argument(
+            flag, type=kind, default=argparse.SUPPRESS, required=flag in required, help=help_
+        )
 
 
 def add_admin_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -136,13 +163,15 @@ def add_admin_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     """
     common = _connection_flags()
     admin = subparsers.add_parser(
-        "admin", help="manage tiers, tenants and API keys over the admin API"
+        "admin",
+        help="manage tiers, tenants and API keys over the admin API",
+        epilog=EXIT_STATUS_EPILOG,
     )
     groups = admin.add_subparsers(title="objects", metavar="OBJECT")
     admin.set_defaults(func=lambda args: print_subcommand_help(admin))
 
     def leaf(group, name: str, help_: str, build: Callable[[argparse.Namespace], tuple]):
-        parser = group.add_parser(name, help=help_, parents=[common])
+        parser = group.add_parser(name, help=help_, parents=[common], epilog=EXIT_STATUS_EPILOG)
         parser.set_defaults(func=lambda args: _call_built(args, build))
         return parser
 
@@ -158,9 +187,13 @@ def add_admin_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     for parser in (create, update):
         parser.add_argument("name", help="tier name, e.g. gold")
-        _add_fields(parser, _TIER_FLAGS)
+        # The API refuses a new tier without a rank; an update changes only what it names.
+        _add_fields(parser, _TIER_FLAGS, required=("--rank",) if parser is create else ())
         parser.add_argument(
-            "--preemptible", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS
+            "--preemptible",
+            action=argparse.BooleanOptionalAction,
+            default=argparse.SUPPRESS,
+            help="whether better-ranked requests may preempt its running work (new: no)",
         )
     for parser in tiers.choices.values():
         if parser.prog.split()[-1] in ("get", "delete"):
@@ -216,7 +249,7 @@ def add_admin_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 
 def _group(groups, name: str, help_: str):
-    parser = groups.add_parser(name, help=help_)
+    parser = groups.add_parser(name, help=help_, epilog=EXIT_STATUS_EPILOG)
     parser.set_defaults(func=lambda args: print_subcommand_help(parser))
     return parser.add_subparsers(metavar="ACTION")
 

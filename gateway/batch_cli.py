@@ -101,6 +101,13 @@ class BatchClient:
         return self._check(self._http.get(f"/files/{path_segment(file_id)}/content")).content
 
 
+# In every --help: argparse rewraps it, so it is one paragraph.
+EXIT_STATUS_EPILOG = (
+    "exit status: 0 done, 1 the API refused the request or the batch did not complete "
+    "(--wait), 2 bad usage or an unreachable server"
+)
+
+
 def add_batch_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register `batch` and its commands; each leaf sets `func(args) -> int`."""
     common = argparse.ArgumentParser(add_help=False)
@@ -116,12 +123,17 @@ def add_batch_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     common.add_argument("--timeout-s", type=positive_seconds, default=60.0, help="HTTP timeout")
 
-    batch = subparsers.add_parser("batch", help="run JSONL files through the Batch API")
+    batch = subparsers.add_parser(
+        "batch", help="run JSONL files through the Batch API", epilog=EXIT_STATUS_EPILOG
+    )
     actions = batch.add_subparsers(metavar="ACTION")
     batch.set_defaults(func=lambda _args: print_subcommand_help(batch))
 
     submit = actions.add_parser(
-        "submit", help="upload a JSONL file and start a batch", parents=[common]
+        "submit",
+        help="upload a JSONL file and start a batch",
+        parents=[common],
+        epilog=EXIT_STATUS_EPILOG,
     )
     submit.add_argument("file", type=Path, help="JSONL input, one request per line")
     submit.add_argument("--endpoint", choices=ENDPOINTS, default=ENDPOINTS[0])
@@ -134,7 +146,9 @@ def add_batch_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     submit.set_defaults(func=lambda args: _run(args, _submit))
 
-    status = actions.add_parser("status", help="show a batch", parents=[common])
+    status = actions.add_parser(
+        "status", help="show a batch", parents=[common], epilog=EXIT_STATUS_EPILOG
+    )
     status.add_argument("batch_id")
     status.add_argument(
         "--wait", action="store_true", help="follow the batch until it ends (as submit --wait)"
@@ -144,7 +158,9 @@ def add_batch_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     status.set_defaults(func=lambda args: _run(args, _status))
 
-    results = actions.add_parser("results", help="download a batch's results", parents=[common])
+    results = actions.add_parser(
+        "results", help="download a batch's results", parents=[common], epilog=EXIT_STATUS_EPILOG
+    )
     results.add_argument("batch_id")
     results.add_argument("-o", "--output", type=Path, required=True, help="results JSONL")
     results.add_argument(
@@ -152,7 +168,9 @@ def add_batch_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     results.set_defaults(func=lambda args: _run(args, _results))
 
-    cancel = actions.add_parser("cancel", help="cancel a batch", parents=[common])
+    cancel = actions.add_parser(
+        "cancel", help="cancel a batch", parents=[common], epilog=EXIT_STATUS_EPILOG
+    )
     cancel.add_argument("batch_id")
     cancel.set_defaults(func=lambda args: _run(args, lambda c, a: _print(c.cancel(a.batch_id))))
     return batch

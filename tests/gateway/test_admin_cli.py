@@ -226,3 +226,35 @@ def test_a_server_with_its_admin_api_off_is_told_from_a_wrong_url(
     code, _, err = _run(capsys, admin_off_url + "/v1", "tiers", "list")
     assert code == 2
     assert "not the server's root" in err
+
+
+def _help(capsys, *argv: str) -> str:
+    with pytest.raises(SystemExit) as exited:
+        main([*argv, "--help"])
+    assert exited.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_help_says_what_the_api_requires_and_what_none_does(capsys) -> None:
+    """--rank showed as optional though the API refuses a tier without it; the limit
+    flags had no help, and `none` was told only in the module's docstring."""
+    with pytest.raises(SystemExit) as exited:
+        main(["tiers", "create", "gold", "--admin-token", TOKEN])
+    assert exited.value.code == 2
+    assert "required: --rank" in capsys.readouterr().err
+    assert "[--rank RANK]" in _help(capsys, "tiers", "update")  # a PATCH changes what it names
+
+    tier = " ".join(_help(capsys, "tiers", "create").split())  # argparse wraps the lines
+    for flag in ("--ttft-slo-ms", "--rpm", "--tpm", "--max-concurrency", "--max-queued-jobs"):
+        assert f"{flag} " in tier
+    assert tier.count("none: ") >= 8  # every nullable field says what none does
+    assert "none: unlimited" in tier
+    tenant = " ".join(_help(capsys, "tenants", "update").split())
+    assert "none: the tier's limit" in tenant
+
+
+@pytest.mark.parametrize("argv", [(), ("tiers",), ("tiers", "create"), ("keys", "revoke")])
+def test_help_gives_the_exit_statuses(capsys, argv) -> None:
+    text = " ".join(_help(capsys, *argv).split())
+    assert "exit status: 0 done, 1 the API refused the request" in text
+    assert "2 bad usage, or no admin API at --url" in text

@@ -246,3 +246,13 @@ def test_a_refused_batch_deletes_the_file_uploaded_for_it(
     assert refused.value.payload["error"]["param"] == "metadata.k"
     assert (refused.value.note or "").startswith("deleted file-")
     assert _file_ids(live_server, key) == []
+
+
+@pytest.mark.parametrize("argv", [("batch",), ("batch", "submit"), ("batch", "status")])
+def test_help_gives_the_exit_statuses(capsys, argv) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main([*argv, "--help"])
+    assert exited.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "exit status: 0 done, 1 the API refused the request or the batch did not" in text
+    assert "2 bad usage or an unreachable server" in text
