@@ -86,7 +86,15 @@ def _parse_bearer(authorization: str | None) -> str:
         )
     scheme, _, credentials = authorization.strip().partition(" ")
     secret = credentials.strip()
-    if scheme.lower() != "bearer" or not _KEY_PATTERN.fullmatch(secret):
+    is_bearer = scheme.lower() == "bearer"
+    is_well_formed = _KEY_PATTERN.fullmatch(secret) is not None
+    if is_bearer and secret.startswith(KEY_PREFIX) and not is_well_formed:
+        # "expected 'Bearer tg-...'" read as a riddle for a key that starts so.
+        raise AuthenticationError(
+            "Malformed API key: a tiergate key is 'tg-' and 43 to 256 letters, digits, '_' or '-'.",
+            code="invalid_api_key",
+        )
+    if not is_bearer or not is_well_formed:
         raise AuthenticationError(
             "Malformed API key: expected 'Authorization: Bearer tg-...'.",
             code="invalid_api_key",

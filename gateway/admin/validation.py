@@ -26,6 +26,8 @@ MAX_PRICE_PER_MTOK = 1e6
 MIN_WEIGHT = 0.001
 
 TIER_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")
+# TIER_NAME in words, for the refusal (a bare "invalid format" left one guessing).
+TIER_NAME_FORMAT = "1 to 32 lowercase letters, digits, '_' or '-', starting with a letter or digit"
 TENANT_ID = re.compile(r"ten_[0-9a-f]{24}")
 KEY_ID = re.compile(r"key_[0-9a-f]{24}")
 # Printable text: PostgreSQL rejects NUL, and control characters have no place in a name.
@@ -58,6 +60,7 @@ class Field:
     min_exclusive: bool = False
     max_exclusive: bool = False
     pattern: re.Pattern[str] | None = None
+    pattern_words: str = ""  # what `pattern` accepts, as "name must be <pattern_words>"
     max_len: int = 100
     choices: tuple[str, ...] | None = None
 
@@ -105,10 +108,10 @@ def _check(name: str, value: Any, field: Field) -> Any:
             value <= field.min if field.min_exclusive else value < field.min
         ):
             op = ">" if field.min_exclusive else ">="
-            raise InvalidRequestError(f"{name} must be {op} {field.min:g}", param=name)
+            raise InvalidRequestError(f"{name} must be {op} {_bound(field.min)}", param=name)
         if value >= upper if field.max_exclusive else value > upper:
             op = "<" if field.max_exclusive else "<="
-            raise InvalidRequestError(f"{name} must be {op} {upper:g}", param=name)
+            raise InvalidRequestError(f"{name} must be {op} {_bound(upper)}", param=name)
         return float(value) if field.kind == "number" else value
     if not isinstance(value, str):
         raise InvalidRequestError(f"{name} must be a string", param=name)
@@ -118,9 +121,10 @@ def _check(name: str, value: Any, field: Field) -> Any:
         raise InvalidRequestError(f"{name} must be one of {', '.join(field.choices)}", param=name)
     if len(value) > field.max_len:
         raise InvalidRequestError(f"{name} is longer than {field.max_len} characters", param=name)
-    pattern = field.pattern or _PRINTABLE
-    if not pattern.fullmatch(value):
-        raise InvalidRequestError(f"{name} has an invalid format", param=name)
+    if field.pattern is not None and not field.pattern.fullmatch(value):
+        raise InvalidRequestError(f"{name} must be {field.pattern_words}", param=name)
+    if not _PRINTABLE.fullmatch(value):
+        raise InvalidRequestError(f"{name} may not contain control characters", param=name)
     if _BIDI_CONTROLS.search(value):
         raise InvalidRequestError(
             f"{name} may not contain bidirectional embedding, override or isolate controls "
@@ -139,6 +143,11 @@ def _has_visible_character(value: str) -> bool:
         char not in _BLANK_GRAPHICS and unicodedata.category(char) not in _INVISIBLE_CATEGORIES
         for char in value
     )
+
+
+def _bound(value: float) -> str:
+    """A bound as an operator would write it: 2147483647, not :g's 2.14748e+09."""
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
 
 
 def _upper(kind: str) -> float:
@@ -200,7 +209,7 @@ def query_int(request: Request, name: str, *, default: int, min: int, max: int) 
 LIMIT = Field("int", nullable=True, min=1)
 
 TIER_FIELDS: dict[str, Field] = {
-    "name": Field("str", pattern=TIER_NAME, max_len=32),
+    "name": Field("str", pattern=TIER_NAME, pattern_words=TIER_NAME_FORMAT, max_len=32),
     "rank": Field("int", min=0, max=1000),
     "ttft_slo_ms": Field("number", nullable=True, min=0, min_exclusive=True),
     "tpot_slo_ms": Field("number", nullable=True, min=0, min_exclusive=True),
@@ -218,7 +227,7 @@ TIER_FIELDS: dict[str, Field] = {
 
 TENANT_FIELDS: dict[str, Field] = {
     "name": Field("str", max_len=100),
-    "tier": Field("str", pattern=TIER_NAME, max_len=32),
+    "tier": Field("str", pattern=TIER_NAME, pattern_words=TIER_NAME_FORMAT, max_len=32),
     # Bounded below: the queue divides charges by the weight, and a weight near zero
     # would send a counter, then the tier's floor, to infinity.
     "weight": Field("number", min=MIN_WEIGHT, max=1000),

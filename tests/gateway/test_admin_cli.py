@@ -258,3 +258,31 @@ def test_help_gives_the_exit_statuses(capsys, argv) -> None:
     text = " ".join(_help(capsys, *argv).split())
     assert "exit status: 0 done, 1 the API refused the request" in text
     assert "2 bad usage, or no admin API at --url" in text
+
+
+def _refusal(capsys, url: str, *argv: str) -> str:
+    code, out, err = _run(capsys, url, *argv)
+    assert (code, out) == (1, None), err
+    return json.loads(err)["error"]["message"]
+
+
+def test_refusals_print_bounds_as_written_and_say_what_a_name_may_be(
+    server_url: str, capsys
+) -> None:
+    """Bounds came as `tpm must be <= 2.14748e+09`, and a bad name as `name has an invalid
+    format`, which left the operator guessing what it accepts."""
+    tier = ("tiers", "create", "t1", "--rank", "1")
+    assert _refusal(capsys, server_url, *tier, "--tpm", "3000000000") == (
+        "tpm must be <= 2147483647"
+    )
+    assert _refusal(capsys, server_url, *tier, "--price-input-per-mtok", "2e6") == (
+        "price_input_per_mtok must be <= 1000000"
+    )
+    assert _refusal(capsys, server_url, *tier, "--min-share", "1") == "min_share must be < 1"
+    assert _refusal(capsys, server_url, "tiers", "create", "Gold!", "--rank", "1") == (
+        "name must be 1 to 32 lowercase letters, digits, '_' or '-', starting with a "
+        "letter or digit"
+    )
+    assert _refusal(capsys, server_url, "tenants", "create", "a\tb", "--tier", "batch") == (
+        "name may not contain control characters"
+    )

@@ -116,6 +116,13 @@ def test_errors_and_usage(live_server: LiveServer, tmp_path: Path, capsys) -> No
     assert json.loads(capsys.readouterr().err)["error"]["code"] == "batch_not_found"
     assert main(["batch", "submit", str(path), *base, "--api-key", "tg-" + "x" * 43]) == 1
     capsys.readouterr()
+    # It starts with tg-, so "expected 'Authorization: Bearer tg-...'" read as a riddle.
+    assert main(["batch", "status", "batch_x", *base, "--api-key", "tg-wrong"]) == 1
+    error = json.loads(capsys.readouterr().err)["error"]
+    assert (error["code"], error["message"]) == (
+        "invalid_api_key",
+        "Malformed API key: a tiergate key is 'tg-' and 43 to 256 letters, digits, '_' or '-'.",
+    )
     assert main(["batch", "submit", str(tmp_path / "missing.jsonl"), *base, "--api-key", "k"]) == 2
     assert "no such file" in capsys.readouterr().err
     assert main(["batch", "submit", str(tmp_path), *base, "--api-key", "k"]) == 2
