@@ -271,6 +271,8 @@ def path_segment(value: str) -> str:
     if "/" in value:
         # quote(safe="") sends %2F, but the server decodes the path before routing.
         raise BadIdError(f"may not contain '/' ({value!r}): the request would go to another path")
+    if not is_utf8(value):
+        raise BadIdError(f"is not UTF-8 text ({value!r})")
     return quote(value, safe="")
 
 
@@ -302,7 +304,21 @@ def _call_built(args: argparse.Namespace, build: Callable[[argparse.Namespace], 
         # Refused before anything is sent.
         print(f"tiergate admin: an id or name {exc}", file=sys.stderr)
         return 2
+    if not all(is_utf8(v) for v in _body(args).values() if isinstance(v, str)):
+        # Bytes argv could not decode: no JSON body can carry them.
+        print("tiergate admin: an argument is not UTF-8 text", file=sys.stderr)
+        return 2
     return _call(args, *request)
+
+
+def is_utf8(text: str) -> bool:
+    """Whether `text` can be sent: argv bytes that are not UTF-8 arrive as lone
+    surrogates, which httpx and quote() meet with a traceback."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def is_token_text(value: str) -> bool:

@@ -27,7 +27,13 @@ from typing import Any, TextIO
 
 import httpx
 
-from gateway.admin_cli import BadIdError, is_token_text, path_segment, positive_seconds
+from gateway.admin_cli import (
+    BadIdError,
+    is_token_text,
+    is_utf8,
+    path_segment,
+    positive_seconds,
+)
 from gateway.batch_metadata import metadata_problem
 from gateway.cli_output import print_json, print_subcommand_help
 
@@ -232,7 +238,7 @@ def _submit(client: BatchClient, args: argparse.Namespace) -> int:
         if not sep:
             print(f"tiergate batch: --metadata wants KEY=VALUE, not {pair!r}", file=sys.stderr)
             return 2
-        if not _is_utf8(pair):  # bytes argv could not decode: no JSON body can hold them
+        if not is_utf8(pair):  # bytes argv could not decode: no JSON body can hold them
             print(f"tiergate batch: --metadata {pair!r} is not UTF-8 text", file=sys.stderr)
             return 2
         metadata[key] = value
@@ -257,14 +263,6 @@ def _follow_to_end(client: BatchClient, batch_id: str, poll_s: float) -> int:
     batch = follow(client, batch_id, poll_s=poll_s, out=sys.stderr)
     _print(batch)
     return 0 if batch["status"] == "completed" else 1
-
-
-def _is_utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def submit_batch(

@@ -173,6 +173,11 @@ def test_empty_ids_and_foreign_tokens_are_refused_plainly(server_url: str, capsy
     code, _, err = _run(capsys, server_url, "tiers", "get", "")
     assert code == 2
     assert "may not be empty" in err
+    # Bytes argv could not decode (a traceback from httpx or quote() before).
+    for argv in (("tenants", "create", "\udcff", "--tier", "batch"), ("tiers", "get", "\udcff")):
+        code, _, err = _run(capsys, server_url, *argv)
+        assert code == 2
+        assert "not UTF-8 text" in err
     for token in ("tøken", "token\n", "to ken"):  # a pasted newline: "cannot reach" before
         code, _, err = _run(capsys, server_url, "tiers", "list", token=token)
         assert code == 2

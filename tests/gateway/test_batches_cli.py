@@ -131,6 +131,8 @@ def test_errors_and_usage(live_server: LiveServer, tmp_path: Path, capsys) -> No
     assert "/dev/null is not a regular file" in capsys.readouterr().err
     assert main(["batch", "submit", str(path), *base, "--api-key", "tg-key\n"]) == 2
     assert "printable ASCII with no spaces" in capsys.readouterr().err
+    assert main(["batch", "status", "batch_\udcff", *base, "--api-key", "k"]) == 2
+    assert "the batch id is not UTF-8 text" in capsys.readouterr().err
     unreachable = ["--url", "http://127.0.0.1:9", "--api-key", "k", "--timeout-s", "2"]
     assert main(["batch", "status", "batch_x", *unreachable]) == 2
     # Seconds past what the clocks take (an OverflowError traceback before, with --poll-s
