@@ -333,3 +333,19 @@ def wait_for_usage_rows(database_url: str, request_ids: list[str]) -> list[Any]:
         if len(rows) >= len(request_ids) or time.monotonic() > deadline:
             return rows
         time.sleep(0.1)
+
+
+async def execute_sql(url: str, *statements: str) -> None:
+    """Run `statements` on the database at `url` in one transaction (setting up a state
+    the product must meet, written as plain SQL)."""
+    from sqlalchemy import text
+
+    from gateway.db.session import create_db_engine
+
+    engine = create_db_engine(url)
+    try:
+        async with engine.begin() as conn:
+            for statement in statements:
+                await conn.execute(text(statement))
+    finally:
+        await engine.dispose()

@@ -14,6 +14,7 @@ from sqlalchemy import inspect, text
 from gateway.db.models import Base
 from gateway.db.session import create_db_engine
 from gateway.migrate import current_revision, downgrade_to, head_revisions, upgrade_to_head
+from tests.gateway.conftest import execute_sql
 
 TABLES = {"tiers", "tenants", "api_keys", "usage_records"}
 
@@ -108,22 +109,12 @@ def test_seeded_tiers(migrated_database_url: str) -> None:
     assert batch[7] < by_name["interactive"][7] < by_name["priority"][7]
 
 
-async def _execute(url: str, *statements: str) -> None:
-    engine = create_db_engine(url)
-    try:
-        async with engine.begin() as conn:
-            for statement in statements:
-                await conn.execute(text(statement))
-    finally:
-        await engine.dispose()
-
-
 def test_seed_downgrade_keeps_the_tiers_tenants_are_on(migrated_database_url: str) -> None:
     # Foreign keys hold on SQLite too (the engine switches them on): deleting the batch
     # tier under its tenant would fail, as it did on every --demo database.
     url = migrated_database_url
     _run(
-        lambda: _execute(
+        lambda: execute_sql(
             url,
             "INSERT INTO tenants (id, name, tier, weight, status) "
             "VALUES ('ten_x', 'x', 'batch', 1, 'active')",

@@ -277,7 +277,9 @@ def test_export_process_delivers_every_span_and_stops(receiver: Receiver) -> Non
     assert {a.key: a.value.string_value for a in resource.attributes}["deployment"] == "ci"
 
 
-def test_a_dead_export_process_costs_spans_not_requests(receiver: Receiver) -> None:
+@pytest.fixture
+def orphaned_sink(receiver: Receiver) -> ProcessSpanSink:
+    """A span sink whose export process has died."""
     environ = {
         **os.environ,
         "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.thread.port}",
@@ -285,6 +287,11 @@ def test_a_dead_export_process_costs_spans_not_requests(receiver: Receiver) -> N
     sink = ProcessSpanSink(RESOURCE, SCOPES[0], environ)
     sink._process.kill()
     sink._process.wait()
+    return sink
+
+
+def test_a_dead_export_process_costs_spans_not_requests(orphaned_sink: ProcessSpanSink) -> None:
+    sink = orphaned_sink
     for _ in range(300):  # fills the socket buffer, then drops
         sink._ship(_records(100))
     assert sink.num_dropped > 0
@@ -295,15 +302,11 @@ def _count(message: ExportTraceServiceRequest) -> int:
     return sum(len(ss.spans) for rs in message.resource_spans for ss in rs.scope_spans)
 
 
-def test_shutdown_ends_at_once_when_the_export_process_is_gone(receiver: Receiver) -> None:
+def test_shutdown_ends_at_once_when_the_export_process_is_gone(
+    orphaned_sink: ProcessSpanSink,
+) -> None:
     # It kept offering its last datagram to the dead child until its deadline (10 s).
-    environ = {
-        **os.environ,
-        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.thread.port}",
-    }
-    sink = ProcessSpanSink(RESOURCE, SCOPES[0], environ)
-    sink._process.kill()
-    sink._process.wait()
+    sink = orphaned_sink
     started = time.monotonic()
     sink.shutdown(timeout_s=10)
     assert time.monotonic() - started < 2

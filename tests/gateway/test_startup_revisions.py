@@ -17,7 +17,7 @@ from sqlalchemy import text
 
 from gateway.db.session import create_db_engine
 from gateway.migrate import current_revision, head_revisions, migrate_to, upgrade_to_head
-from tests.gateway.conftest import output_until_started, run_cli
+from tests.gateway.conftest import execute_sql, output_until_started, run_cli
 
 # A revision after this release's head: a database migrated by a newer release.
 FUTURE = f"{int(head_revisions()[0]) + 1:04d}"
@@ -200,16 +200,7 @@ def test_migrations_at_once_on_a_fresh_database(postgres_url: str) -> None:
 
 
 def _execute(url: str, *statements: str) -> None:
-    async def run() -> None:
-        engine = create_db_engine(url)
-        try:
-            async with engine.begin() as conn:
-                for statement in statements:
-                    await conn.execute(text(statement))
-        finally:
-            await engine.dispose()
-
-    asyncio.run(run())
+    asyncio.run(execute_sql(url, *statements))
 
 
 def _redacted(url: str) -> str:
