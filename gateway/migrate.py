@@ -21,11 +21,11 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, text
-from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
 from gateway.db.session import create_db_engine
 from gateway.errors import GatewayError
+from gateway.settings import redacted_url
 
 
 def _script_location() -> str:
@@ -117,18 +117,13 @@ def _current(connection: Connection, database_url: str) -> str | None:
     revisions = MigrationContext.configure(connection).get_current_heads()
     if len(revisions) > 1:
         raise SchemaRevisionError(
-            f"the database at {_named(database_url)} has {len(revisions)} revisions in its "
+            f"the database at {redacted_url(database_url)} has {len(revisions)} revisions in its "
             f"alembic_version table ({', '.join(revisions)}) where tiergate keeps one (its "
             f"newest is {', '.join(head_revisions())}): another application's migrations "
             "share the table, or it was edited. Give tiergate a database of its own, or "
             "leave only the row of the revision its schema is at"
         )
     return revisions[0] if revisions else None
-
-
-def _named(database_url: str) -> str:
-    """The database's URL without its password, for a message."""
-    return make_url(database_url).render_as_string(hide_password=True)
 
 
 def _url_of(config: Config) -> str:
@@ -154,7 +149,7 @@ def _unknown_message(database_url: str, current: str, heads: Sequence[str]) -> s
     # another application's migrations in the same database, read alike.
     newest = ", ".join(heads)
     return (
-        f"the database at {_named(database_url)} is at revision {current}, which this "
+        f"the database at {redacted_url(database_url)} is at revision {current}, which this "
         f"release does not know (its newest is {newest}): if a newer release migrated it, "
         f"run that release, or migrate back with its tiergate migrate --revision {newest}; "
         "if another application did, give tiergate a database of its own"
@@ -176,7 +171,7 @@ def _migrating(config: Config, current: str | None, run: Callable[[], None]) -> 
             else f"its schema is not the one revision {current} made"
         )
         raise SchemaRevisionError(
-            f"cannot migrate the database at {_named(_url_of(config))}: {reason}; {hint}"
+            f"cannot migrate the database at {redacted_url(_url_of(config))}: {reason}; {hint}"
         ) from None
 
 
