@@ -596,7 +596,9 @@ async def _reach_redis(settings: Settings) -> None:
 
 
 def _reason(exc: BaseException) -> str:
-    return str(exc) or type(exc).__name__
+    """The error's own words on one line, without SQLAlchemy's link to its error page."""
+    text = str(exc).split("(Background on this error at:", 1)[0]
+    return " ".join(text.split()) or type(exc).__name__
 
 
 async def _demo_tenants(settings: Settings) -> list:

@@ -19,6 +19,7 @@ import pytest
 from gateway.cli import main, settings_from_args
 from gateway.migrate import current_revision, head_revisions
 from gateway.settings import Settings, SettingsError, settings_from_env
+from tests.conftest import POSTGRES_URL
 from tests.gateway.conftest import output_until_started, reap, run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -304,6 +305,13 @@ def test_a_second_serve_on_the_same_data_dir_is_refused(tmp_path: Path) -> None:
             proc.stdout.close()
 
 
+def _postgres_named(database: str) -> str:
+    """The test PostgreSQL server's URL with another database name."""
+    from sqlalchemy.engine import make_url
+
+    return make_url(POSTGRES_URL).set(database=database).render_as_string(False)
+
+
 @pytest.mark.parametrize(
     ("argv", "env", "message"),
     [
@@ -311,6 +319,11 @@ def test_a_second_serve_on_the_same_data_dir_is_refused(tmp_path: Path) -> None:
             ["migrate"],
             {"TIERGATE_DATABASE_URL": "postgresql+asyncpg://u@127.0.0.1:1/x"},
             "cannot reach the database",
+        ),
+        (
+            ["migrate"],
+            {"TIERGATE_DATABASE_URL": _postgres_named("no_such_database_here")},
+            'database "no_such_database_here" does not exist',
         ),
         (["serve"], {"TIERGATE_REDIS_URL": "redis://127.0.0.1:1/0"}, "cannot reach Redis"),
         (["serve", "--model", "/nonexistent"], {}, "checkpoint directory"),
@@ -352,6 +365,7 @@ def test_a_second_serve_on_the_same_data_dir_is_refused(tmp_path: Path) -> None:
     ],
     ids=[
         "database",
+        "database-missing",
         "redis",
         "model",
         "worker-redis",
@@ -385,6 +399,11 @@ def test_what_would_fail_at_start_up_is_one_message(
     assert ran.returncode == 2, ran.stderr[-2000:]
     assert message in ran.stderr
     assert "Traceback" not in ran.stderr
+    # One line, after argparse's usage where the flag itself is refused (no SQLAlchemy
+    # "Background on this error" line after it).
+    lines = ran.stderr.strip().splitlines()
+    assert message in lines[-1], ran.stderr
+    assert len(lines) == 1 or lines[0].startswith("usage:"), ran.stderr
 
 
 def test_output_piped_to_a_reader_that_leaves_ends_quietly() -> None:
