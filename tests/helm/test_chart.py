@@ -357,6 +357,16 @@ def test_admin_token_is_generated_when_unset(helm: Helm) -> None:
     assert all(re.fullmatch(r"[A-Za-z0-9]{48}", token) for token in tokens)
 
 
+@pytest.mark.parametrize("token", ["short", "has a space in it and sixteen+"])
+def test_an_admin_token_the_processes_refuse_is_refused_at_install(helm: Helm, token: str) -> None:
+    result = helm.template(set_values=(f"adminToken={token}",))
+    assert result.returncode != 0
+    assert "adminToken must be at least 16 printable ASCII characters" in result.stderr
+    chosen = "an-admin-token-of-32-characters"
+    secret = _one(helm.render(set_values=(f"adminToken={chosen}",)), "Secret", "config")
+    assert _decoded(secret)["admin-token"] == chosen
+
+
 def _decoded(secret: dict) -> dict[str, str]:
     return {key: base64.b64decode(value).decode() for key, value in secret["data"].items()}
 

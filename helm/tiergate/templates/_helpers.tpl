@@ -73,6 +73,10 @@ Secret (so upgrades keep it), else a new random one.
 */}}
 {{- define "tiergate.adminToken" -}}
 {{- if .Values.adminToken }}
+{{- /* What the processes accept (gateway/settings.py): a pod would not start on it. */}}
+{{- if not (regexMatch "^[!-~]{16,}$" .Values.adminToken) }}
+{{- fail "adminToken must be at least 16 printable ASCII characters with no spaces" }}
+{{- end }}
 {{- .Values.adminToken }}
 {{- else }}
 {{- $existing := lookup "v1" "Secret" .Release.Namespace (include "tiergate.fullname" .) }}
