@@ -65,7 +65,6 @@ def _asyncpg_dsn(sqlalchemy_url: str) -> str:
 def _create_postgres_database(template: str | None = None) -> str:
     """Create a database (empty, or a copy of `template`); return its SQLAlchemy URL."""
     import asyncpg
-    from sqlalchemy.engine import make_url
 
     name = f"tg_test_{uuid.uuid4().hex[:16]}"
     clause = f' TEMPLATE "{template}"' if template else ""
@@ -78,7 +77,14 @@ def _create_postgres_database(template: str | None = None) -> str:
             await connection.close()
 
     _run_async(create)
-    return make_url(POSTGRES_URL).set(database=name).render_as_string(False)
+    return postgres_url_named(name)
+
+
+def postgres_url_named(database: str) -> str:
+    """The test PostgreSQL server's SQLAlchemy URL with another database name."""
+    from sqlalchemy.engine import make_url
+
+    return make_url(POSTGRES_URL).set(database=database).render_as_string(False)
 
 
 def _drop_postgres_database(url: str) -> None:

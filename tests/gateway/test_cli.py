@@ -19,7 +19,7 @@ import pytest
 from gateway.cli import main, settings_from_args
 from gateway.migrate import current_revision, head_revisions
 from gateway.settings import Settings, SettingsError, settings_from_env
-from tests.conftest import POSTGRES_URL
+from tests.conftest import postgres_url_named
 from tests.gateway.conftest import output_until_started, reap, run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -305,13 +305,6 @@ def test_a_second_serve_on_the_same_data_dir_is_refused(tmp_path: Path) -> None:
             proc.stdout.close()
 
 
-def _postgres_named(database: str) -> str:
-    """The test PostgreSQL server's URL with another database name."""
-    from sqlalchemy.engine import make_url
-
-    return make_url(POSTGRES_URL).set(database=database).render_as_string(False)
-
-
 @pytest.mark.parametrize(
     ("argv", "env", "message"),
     [
@@ -322,7 +315,7 @@ def _postgres_named(database: str) -> str:
         ),
         (
             ["migrate"],
-            {"TIERGATE_DATABASE_URL": _postgres_named("no_such_database_here")},
+            {"TIERGATE_DATABASE_URL": postgres_url_named("no_such_database_here")},
             'database "no_such_database_here" does not exist',
         ),
         (["serve"], {"TIERGATE_REDIS_URL": "redis://127.0.0.1:1/0"}, "cannot reach Redis"),
