@@ -210,3 +210,42 @@ def redis_prefix(redis_url: str) -> Iterator[str]:
             client.delete(*keys)
     finally:
         client.close()
+
+
+# --------------------------------------------------------------------------- fleet logs
+_LOG_OFFSETS = pytest.StashKey[dict]()
+_LOG_TAIL_BYTES = 6000
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    from tests.fleet_processes import SPAWNED_LOGS
+
+    item.stash[_LOG_OFFSETS] = {log: _size(log) for log in SPAWNED_LOGS}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Any:
+    """A failing test's report ends with what each spawned process (a worker, a
+    gateway, a redis-server) wrote while it ran: the fault is often in their logs."""
+    report = yield
+    if report.failed and call.when == "call":
+        from tests.fleet_processes import SPAWNED_LOGS
+
+        offsets = item.stash.get(_LOG_OFFSETS, {})
+        for log in sorted(SPAWNED_LOGS):
+            start = offsets.get(log, 0)
+            if _size(log) <= start:
+                continue
+            with log.open("rb") as f:
+                f.seek(max(start, _size(log) - _LOG_TAIL_BYTES))
+                text = f.read().decode(errors="replace")
+            report.sections.append((f"log of {log.parent.name}/{log.name}", text))
+    return report
+
+
+def _size(path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0

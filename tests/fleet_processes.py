@@ -24,6 +24,9 @@ from scheduler.keys import KeySpace
 ROOT = Path(__file__).resolve().parents[1]
 # Every process of a fleet shares two cores: one torch thread each avoids oversubscription.
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# The log files of every process spawned here: a failing test shows what they wrote
+# while it ran (conftest.py), since a fleet's processes are the ones that saw the fault.
+SPAWNED_LOGS: set[Path] = set()
 
 
 def fleet_env(
@@ -100,6 +103,7 @@ def free_port() -> int:
 
 def spawn_tiergate(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
     """`tiergate ARGS` in a child process whose output is appended to `log`."""
+    SPAWNED_LOGS.add(log)
     with log.open("ab") as out:  # the child keeps its own descriptor
         return subprocess.Popen(
             [sys.executable, "-m", "gateway.cli", *args],
@@ -167,6 +171,7 @@ class RedisServer:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
+        SPAWNED_LOGS.add(self._log)
         with self._log.open("ab") as out:
             self.proc = subprocess.Popen(
                 [
