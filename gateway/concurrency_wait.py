@@ -17,12 +17,15 @@ knows. A slot frees:
   the lapse, however soon the job ends) or that has ended with its slot still held;
 - a slot whose job is not queued yet (reserved a moment ago) is left out.
 
-The pace is the tenant's jobs' own, from those that have streamed enough tokens for it
-to mean something (the first few steps of a stream run behind prefills); else what
-`fallback_pace_s` says (this gateway's other streams); else each job's tokens left take
-what `service_s` says (the pace the engines report giving each of their sequences). It
-is read at a refusal only, and kept a moment per tenant: a client hammering at its cap
-costs one read every CACHE_S.
+The pace is the tenant's jobs' own, each from its current run (JobProgress.pace_s: a
+job resumed after its worker died goes on at its new worker's pace, and the seconds its
+stream stood still in between are no part of it; counted in, a wait of 13 s was told as
+60 s), from those whose run has streamed enough tokens for it to mean something (the
+first few steps of a run go behind prefills); else what `fallback_pace_s` says (this
+gateway's other streams); else each job's tokens left take what `service_s` says (the
+pace the engines report giving each of their sequences). It is read at a refusal only,
+and kept a moment per tenant: a client hammering at its cap costs one read every
+CACHE_S.
 """
 
 from __future__ import annotations
@@ -104,9 +107,9 @@ class FleetReleases:
         paces: list[float] = []
         for job in progress:
             made = job.num_tokens
-            first, last = job.first_token_ms, job.last_token_ms
-            if made >= MIN_PACE_TOKENS and first is not None and last is not None:
-                paces.append((last - first) / 1000.0 / (made - 1))
+            pace = job.pace_s(MIN_PACE_TOKENS)
+            if pace is not None:
+                paces.append(pace)
             if job.status not in _RUNNING or job.is_orphaned:
                 releases.append(max(0.0, (lapses[job.job_id] - now_ms) / 1000.0))
             elif job.status is JobStatus.QUEUED:

@@ -155,20 +155,40 @@ class UnbilledJob:
 @dataclass(frozen=True)
 class JobProgress:
     """How far a job has run, from its result stream (times are epoch ms by the queue's
-    clock; None before its first token)."""
+    clock; None before its first token).
+
+    A job whose worker died, or handed it back, resumes on another worker after its
+    lease lapsed and it was leased again, seconds later: its stream stands still
+    meanwhile. Its current run, the lease streaming it now (or the last that streamed),
+    is what says how fast it goes on (`pace_s`). Counted from the job's first token
+    ever, the pace took in that lapse: a tenant was told 60 s for a wait of 13 s."""
 
     job_id: str
     status: JobStatus
     max_tokens: int
-    num_tokens: int  # streamed so far
-    first_token_ms: int | None
+    num_tokens: int  # streamed so far, by all its runs
+    first_token_ms: int | None  # of its first run
     last_token_ms: int | None
+    # Its current run's first event, and the tokens that run has streamed (num_tokens
+    # less those of the runs before). For a job that ran once, or was resumed by a
+    # worker of an older release (which marks no run), first_token_ms and num_tokens.
+    run_first_token_ms: int | None
+    run_num_tokens: int
     # Whether it may stop before its max_tokens (SamplingParams.can_stop_early); the
     # Redis queue does not say (its parameters are in the job's JSON): True there.
     can_stop_early: bool = True
     # Its gateway has stopped renewing its presence (it died): whatever becomes of the
     # job, nobody is left to hand back what the gateway held for it.
     is_orphaned: bool = False
+
+    def pace_s(self, min_tokens: int) -> float | None:
+        """Seconds per token of its current run, from that run's first event to the
+        job's last; None until the run has streamed `min_tokens` tokens (its first
+        steps run behind prefills)."""
+        first, last, made = self.run_first_token_ms, self.last_token_ms, self.run_num_tokens
+        if first is None or last is None or made < max(min_tokens, 2):
+            return None
+        return (last - first) / 1000.0 / (made - 1)
 
 
 @dataclass(frozen=True)
@@ -561,10 +581,11 @@ class QueueBackend(Protocol):
     ) -> bool:
         """One engine step of a leased job, atomically: its tokens event (when there are
         tokens or text), their charge to the tenant and, with a `finish_reason`, the done
-        event that finishes the job. `queue_wait_ms` (the lease's first step) goes with
-        the first of those events, and `logprobs` (encoded, scheduler.logprobs) with the
-        tokens (ResultEvent). False, with nothing written, when `worker_id` no longer
-        holds the job."""
+        event that finishes the job. `queue_wait_ms` (the lease's first step, and only
+        that) goes with the first of those events, which begins the job's current run
+        if it resumes a job that streamed tokens before (JobProgress.run_first_token_ms),
+        and `logprobs` (encoded, scheduler.logprobs) with the tokens (ResultEvent).
+        False, with nothing written, when `worker_id` no longer holds the job."""
         ...
 
     async def complete(

@@ -140,9 +140,18 @@ class _Stream:
     num_tokens: int = 0
     first_token_ms: int | None = None
     last_token_ms: int | None = None
+    # Its current run (JobProgress.run_first_token_ms): when the event that began it
+    # came, and the tokens streamed before; None for the job's first run. A lease's
+    # first event (with the queue wait) for a job that streamed tokens begins one, as
+    # in publish_step.lua.
+    run_first_ms: int | None = None
+    run_base_tokens: int = 0
 
     def append(self, kind: EventKind, **fields: Any) -> None:
         self.events.append(ResultEvent(kind, cursor=str(len(self.events) + 1), **fields))
+        if fields.get("queue_wait_ms") is not None and self.num_tokens:
+            self.run_first_ms = self.clock_ms()
+            self.run_base_tokens = self.num_tokens
         if num_tokens := len(fields.get("token_ids", ())):
             self.num_tokens += num_tokens
             self.last_token_ms = self.clock_ms()
@@ -572,6 +581,12 @@ class MemoryBackend:
                     num_tokens=stream.num_tokens,
                     first_token_ms=stream.first_token_ms,
                     last_token_ms=stream.last_token_ms,
+                    run_first_token_ms=(
+                        stream.first_token_ms
+                        if stream.run_first_ms is None
+                        else stream.run_first_ms
+                    ),
+                    run_num_tokens=stream.num_tokens - stream.run_base_tokens,
                     can_stop_early=can_stop,
                 )
             )

@@ -473,12 +473,13 @@ class RedisBackend:
 
     async def job_progress(self, job_ids: Sequence[str]) -> list[JobProgress]:
         """Each job's tokens as the publishing scripts counted them (its hash's `nt`;
-        a stream entry may hold several steps' tokens), without reading the stream."""
+        a stream entry may hold several steps' tokens), without reading the stream, and
+        where its current run began (`rf`, `rb`: publish_step.lua)."""
         k = self._keys
         with unavailable_as_error():
             async with self._redis.pipeline(transaction=False) as pipe:
                 for job_id in job_ids:
-                    pipe.hmget(k.job(job_id), "st", "dec", "gw", "nt")
+                    pipe.hmget(k.job(job_id), "st", "dec", "gw", "nt", "rf", "rb")
                     pipe.xlen(k.results(job_id))
                     pipe.xrange(k.results(job_id), count=1)
                     pipe.xrevrange(k.results(job_id), count=1)
@@ -488,9 +489,12 @@ class RedisBackend:
         gone = {g for g, presence in zip(gateways, presences, strict=True) if presence != "up"}
         out = []
         for i, job_id in enumerate(job_ids):
-            (status, max_tokens, gateway, num_tokens), num_entries, first, last = replies[
-                4 * i : 4 * i + 4
-            ]
+            (
+                (status, max_tokens, gateway, num_tokens, run_ms, run_base),
+                num_entries,
+                first,
+                last,
+            ) = replies[4 * i : 4 * i + 4]
             if status is None:
                 continue
             # A worker of the release before keeps no count: its entries, less the done
@@ -500,14 +504,20 @@ class RedisBackend:
             # the two is the nearer (Retry-After came out 15-18x the wait).
             ended = status not in (JobStatus.QUEUED, JobStatus.LEASED)
             num_tokens = max(int(num_tokens or 0), int(num_entries) - ended)
+            first_ms = int(first[0][0].split("-")[0]) if first else None
+            # A job resumed by a worker of the release before marks no run: its pace
+            # is counted from its first token, as that release counted it.
+            resumed = run_ms is not None and run_base is not None
             out.append(
                 JobProgress(
                     job_id,
                     JobStatus(status),
                     max_tokens=int(max_tokens or 0),
-                    num_tokens=int(num_tokens),
-                    first_token_ms=int(first[0][0].split("-")[0]) if first else None,
+                    num_tokens=num_tokens,
+                    first_token_ms=first_ms,
                     last_token_ms=int(last[0][0].split("-")[0]) if last else None,
+                    run_first_token_ms=int(run_ms) if resumed else first_ms,
+                    run_num_tokens=num_tokens - int(run_base) if resumed else num_tokens,
                     is_orphaned=gateway in gone,
                 )
             )

@@ -1,5 +1,7 @@
 -- publish.lua: append one event to a job's result stream if the worker still holds the
--- job; a done or error event also finishes the job, atomically.
+-- job; a done or error event also finishes the job, atomically. Its events carry no
+-- queue wait, so none begins a run of the job (publish_step.lua, 'rf'): a worker
+-- streams its steps with publish_step, and comes here only to fail a job.
 -- KEYS: none; every key derives from the prefix in ARGV[1] (scheduler/keys.py).
 -- ARGV: 1 prefix, 2 now_ms, 3 job_id, 4 worker_id or '' (any), 5 kind (tokens, done,
 --       error), 6 token ids csv, 7 text, 8 finish reason, 9 error code, 10 error message,

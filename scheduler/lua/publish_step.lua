@@ -10,14 +10,25 @@
 -- Stream entry fields: k kind, q queue wait, t token ids, x text, l log-probabilities,
 --       f finish reason. The job hash's 'nt' counts the tokens streamed (an entry holds
 --       a step's, or several steps' when the worker batches them).
+-- A lease's first event (the one with the queue wait) for a job that streamed tokens
+-- before begins a new run of the job, after the lapse of a dead worker's lease or a
+-- hand-back: the job hash's 'rf' holds the ms of that entry's id and 'rb' the tokens
+-- streamed before it (JobProgress.run_first_token_ms, read by job_progress).
 -- Returns: 1 when published, 0 when the worker no longer holds the job (nothing written).
 local id = ARGV[3]
-local h = redis.call('HMGET', K.job .. id, 'st', 'wk', 'tier', 'tenant', 'w')
+local h = redis.call('HMGET', K.job .. id, 'st', 'wk', 'tier', 'tenant', 'w', 'nt')
 if h[1] ~= 'leased' or h[2] ~= ARGV[4] then return 0 end
 local wait = ARGV[14]
+local function mark_run(sid)
+  local before = h[6] or '0'
+  if tonumber(before) > 0 then
+    redis.call('HSET', K.job .. id, 'rf', string.match(sid, '^%d+'), 'rb', before)
+  end
+end
 if ARGV[5] ~= '' or ARGV[6] ~= '' then
   local fields = {'k', 'tokens'}
-  if wait ~= '' then
+  local begins = wait ~= ''
+  if begins then
     fields[#fields + 1] = 'q'
     fields[#fields + 1] = wait
     wait = ''
@@ -34,7 +45,8 @@ if ARGV[5] ~= '' or ARGV[6] ~= '' then
     fields[#fields + 1] = 'l'
     fields[#fields + 1] = ARGV[15]
   end
-  emit(id, ARGV[12], fields)
+  local sid = emit(id, ARGV[12], fields)
+  if begins then mark_run(sid) end
   redis.call('HINCRBY', K.job .. id, 'nt', tonumber(ARGV[7]))
   charge(h[3], h[4], tonumber(h[5]), 0, tonumber(ARGV[7]), tonumber(ARGV[8]),
     tonumber(ARGV[9]), tonumber(ARGV[2]), tonumber(ARGV[10]))
@@ -45,7 +57,8 @@ if ARGV[11] ~= '' then
     fields[#fields + 1] = 'q'
     fields[#fields + 1] = wait
   end
-  emit(id, ARGV[12], fields)
+  local sid = emit(id, ARGV[12], fields)
+  if wait ~= '' then mark_run(sid) end
   finish(id, h[4], 'done', ARGV[13])
 end
 return 1

@@ -170,8 +170,9 @@ async def test_each_held_slot_frees_as_its_job_stands() -> None:
         fleet_capacity=backend.fleet_capacity,
         clock_ms=clock,
     )
-    for _ in range(20):  # r1 streams 20 of its 50 tokens, one every 0.1 s
-        await backend.publish_step("r1", "w1", [7], queue_wait_ms=1.0)
+    for step in range(20):  # r1 streams 20 of its 50 tokens, one every 0.1 s
+        # The lease's queue wait goes with its first step only, as a worker sends it.
+        await backend.publish_step("r1", "w1", [7], queue_wait_ms=None if step else 1.0)
         clock.advance(int(pace * 1000))
     clock.advance(-int(pace * 1000))  # now is its last token
     # 1.9 s after the reservations and the report: r1 has 30 tokens left at 0.1 s (its
@@ -184,6 +185,42 @@ async def test_each_held_slot_frees_as_its_job_stands() -> None:
     assert await releases.release_s("ten_a", 5) == pytest.approx(expected[-1])
 
 
+async def test_a_job_resumed_after_its_worker_died_frees_at_its_new_workers_pace() -> None:
+    """The tenant's running request lost its worker after 20 tokens; its lease lapsed
+    and another worker resumed it 10 s later. It frees at the pace it goes at now: with
+    the seconds its stream stood still counted in, the wait told was 59.6 s where the
+    request ended 12.9 s later."""
+    clock = FakeClock()
+    tier = _tier("interactive", 1)
+    backend = MemoryBackend([TierConfig(tier.name, tier.rank)], clock_ms=clock)
+    limiter = MemoryRateLimiter(clock_ms=clock)
+    await limiter.reserve("ten_a", TenantLimits(max_concurrency=1), 10, reservation_id="r1")
+    await backend.enqueue(replace(_job(tier, 200), job_id="r1"))
+    releases = FleetReleases(
+        limiter,
+        backend,
+        stop_curve=lambda: None,
+        fallback_pace_s=lambda: None,
+        service_s=_no_service_s,
+        fleet_capacity=backend.fleet_capacity,
+        clock_ms=clock,
+        cache_s=0.0,
+    )
+    pace = 0.1
+    for worker_id in ("w-dies", "w-resumes"):
+        await backend.dispatch(worker_id, 5_000)
+        for step in range(20):  # 20 tokens, one every 0.1 s
+            wait = None if step else 1.0  # the lease's queue wait, on its first step
+            await backend.publish_step("r1", worker_id, [7], queue_wait_ms=wait)
+            clock.advance(int(pace * 1000))
+        if worker_id == "w-dies":
+            clock.advance(10_000)  # its lease lapses
+            assert await backend.reclaim_expired_leases() == ["r1"]
+    clock.advance(-int(pace * 1000))  # now is its last token
+    # 160 tokens left at 0.1 s (its pace over the new run's 19 steps).
+    assert await releases.release_s("ten_a", 1) == pytest.approx(160 * pace)
+
+
 async def test_no_pace_from_a_stream_that_has_only_begun() -> None:
     clock = FakeClock()
     tier = _tier("interactive", 1)
@@ -192,8 +229,8 @@ async def test_no_pace_from_a_stream_that_has_only_begun() -> None:
     await limiter.reserve("ten_a", TenantLimits(max_concurrency=1), 10, reservation_id="r1")
     await backend.enqueue(replace(_job(tier, 600), job_id="r1"))
     await backend.dispatch("w1", 60_000)
-    for _ in range(3):  # three tokens, slow behind prefills: no pace to go by yet
-        await backend.publish_step("r1", "w1", [7], queue_wait_ms=1.0)
+    for step in range(3):  # three tokens, slow behind prefills: no pace to go by yet
+        await backend.publish_step("r1", "w1", [7], queue_wait_ms=None if step else 1.0)
         clock.advance(500)
     paces = iter([0.05, None, None])
     services = iter([None, 12.0])
