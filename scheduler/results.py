@@ -8,7 +8,8 @@ from the queue, or makes its worker abort it at its next publish or heartbeat.
 
 The first event a lease publishes carries the job's queue wait (ResultEvent.queue_wait_ms),
 so the gateway learns when the job left the queue without an event, and a wake-up, of
-its own.
+its own; on a later event, from a lease that resumed the job after its worker died, it
+says when the job's current run began (the pace of its stream counts from there).
 
 Beside its streams, a JobClient keeps four things in the background (`_keep`, once a
 second): its presence in the queue (`publish_gateway`), so that the jobs of a gateway
@@ -165,6 +166,12 @@ class JobStream:
         # queue_wait_ms, else the event's arrival).
         self.dispatched_s: float | None = None
         self.num_output_tokens = 0
+        # Its current run (_pace_s): when its lease began (monotonic) and the tokens
+        # streamed before. A job resumed on another worker (its own died or handed it
+        # back) begins a new run, whose lease's first event brings its queue wait too:
+        # the seconds the stream stood still in between are no part of its pace.
+        self.run_started_s: float | None = None
+        self.run_base_tokens = 0
         # Monotonic: the last sign of life of the job (its enqueue, then each event).
         self.last_event_s = enqueued_s
         # A client waits on it: answered no_capacity when no worker is left to serve it
@@ -195,15 +202,13 @@ class JobStream:
     async def _read(self, events: AsyncIterator[ResultEvent]) -> None:
         try:
             async for event in events:
-                self.last_event_s = time.monotonic()
+                previous_s, self.last_event_s = self.last_event_s, time.monotonic()
                 if event.kind is EventKind.TOKENS:
-                    if self.dispatched_s is None:
-                        self._dispatched(event)
+                    self._leased(event, previous_s)
                     self.num_output_tokens += len(event.token_ids)
                     self._put(self._output(event, finished=False))
                 elif event.kind is EventKind.DONE:
-                    if self.dispatched_s is None:
-                        self._dispatched(event)
+                    self._leased(event, previous_s)
                     self._put(self._output(event, finished=True))
                     self._end(None)
                     if self.on_finished is not None:
@@ -219,14 +224,25 @@ class JobStream:
         except Exception as exc:
             self._end(exc)
 
-    def _dispatched(self, event: ResultEvent) -> None:
+    def _leased(self, event: ResultEvent, previous_s: float) -> None:
+        """Note the lease an event shows begun: the job's first (its dispatch), or one
+        that resumes it (a later event with a queue wait) and begins a new run."""
+        if self.dispatched_s is None:
+            self.dispatched_s = self._lease_began_s(event, self.enqueued_s)
+            self.run_started_s = self.dispatched_s
+        elif event.queue_wait_ms is not None:
+            # Not before the event ahead of it: the earlier lease was still on then.
+            self.run_started_s = self._lease_began_s(event, previous_s)
+            self.run_base_tokens = self.num_output_tokens
+
+    def _lease_began_s(self, event: ResultEvent, not_before_s: float) -> float:
         now_s = time.monotonic()
         if event.queue_wait_ms is None:
-            self.dispatched_s = now_s
-            return
+            return now_s
         # The worker measured from the job's arrival_s on its own clock: kept between
-        # the enqueue and now, whatever the two hosts' clocks say.
-        self.dispatched_s = min(now_s, self.enqueued_s + event.queue_wait_ms / 1000.0)
+        # `not_before_s` and now, whatever the two hosts' clocks say.
+        began_s = self.enqueued_s + event.queue_wait_ms / 1000.0
+        return min(now_s, max(not_before_s, began_s))
 
     def _output(self, event: ResultEvent, *, finished: bool) -> StreamOutput:
         logprobs, prompt_logprobs = decode_logprobs(event.logprobs)
@@ -296,11 +312,12 @@ MIN_PACE_TOKENS = 8
 
 
 def _pace_s(stream: JobStream) -> float | None:
-    """Seconds per token a stream has gone at since its dispatch."""
-    made = stream.num_output_tokens
-    if stream.dispatched_s is None or made < MIN_PACE_TOKENS:
+    """Seconds per token a stream has gone at since its current run's lease began (its
+    dispatch, or the lease that resumed it after its worker died)."""
+    made = stream.num_output_tokens - stream.run_base_tokens
+    if stream.run_started_s is None or made < MIN_PACE_TOKENS:
         return None
-    pace = (stream.last_event_s - stream.dispatched_s) / made
+    pace = (stream.last_event_s - stream.run_started_s) / made
     return pace if pace > 0 else None
 
 
@@ -484,7 +501,7 @@ class JobClient:
             return
         with contextlib.suppress(BackendUnavailableError):
             if await self._backend.job_status(stream.job.job_id) is JobStatus.LEASED:
-                stream.dispatched_s = time.monotonic()
+                stream.dispatched_s = stream.run_started_s = time.monotonic()
 
     def cancel_soon(self, job_id: str) -> None:
         """`cancel` in the background, for a caller that answers its client first (a

@@ -226,3 +226,43 @@ async def test_the_clients_background_loops_run_outside_the_first_jobs_context()
     await client.aclose()  # its own last presence, in this (the caller's) context
     assert len(from_the_loop) >= 2
     assert set(from_the_loop) == {None}
+
+
+async def test_a_stream_resumed_by_another_worker_is_paced_from_its_new_lease(backend) -> None:
+    """A job's worker went away after 10 tokens and another resumed it a second later.
+    The pace of its stream (the fallback of a refusal's Retry-After) is its new run's:
+    counted from its first dispatch, the second the stream stood still made it 50 ms a
+    token or more."""
+    gap_s = 1.0
+    jobs = JobClient(backend, poll_ms=100)
+    stream = await jobs.submit_and_wait(build_job(job_id="moved", tier="interactive"))
+
+    async def run(worker_id: str, num_received: int) -> None:
+        await backend.dispatch(worker_id, 60_000)
+        # The lease's queue wait, from the job's arrival, on its first event.
+        wait_ms = (time.monotonic() - stream.enqueued_s) * 1000.0
+        for step in range(10):
+            await backend.publish_step(
+                "moved", worker_id, [step], queue_wait_ms=None if step else wait_ms
+            )
+            await asyncio.sleep(0.002)
+
+        async def received() -> bool:
+            return stream.num_output_tokens == num_received
+
+        await _until(received, 5.0)
+
+    try:
+        await run("w-gone", 10)
+        dispatched_s = stream.dispatched_s
+        assert jobs.stream_pace_s() is not None
+        await asyncio.sleep(gap_s)
+        assert await backend.requeue("moved", worker_id="w-gone")
+        await run("w-resumes", 20)
+        pace = jobs.stream_pace_s()
+        assert pace is not None
+        assert pace < gap_s / 20 / 2, pace
+        assert stream.dispatched_s == dispatched_s  # its queue wait is its first lease's
+        assert stream.run_base_tokens == 10
+    finally:
+        await jobs.aclose()
