@@ -101,8 +101,9 @@ QUEUE_TIMEOUT = "queue_timeout"
 # it, but a gateway that was only cut off from Redis for a while learns what happened.
 GATEWAY_LOST = "gateway_lost"
 # How long a gateway's presence must have been seen lapsed before its jobs are
-# abandoned. A stopped Redis lapses every presence at once; once it runs again, live
-# gateways renew theirs within a second, well inside this.
+# abandoned, by Redis's clock (as the presence lapses). A stopped Redis lapses every
+# presence at once; once it runs again, live gateways renew theirs within a second,
+# well inside this.
 GATEWAY_GRACE_MS = 2_000
 # How long a gateway's presence must have been seen lapsed before another gateway bills
 # its unsettled jobs (claim_unbilled): long past the abandoning of its jobs, and long

@@ -350,17 +350,28 @@ end
 -- of its last jobs, short enough that dead gateways' marks do not pile up.
 local GATEWAY_MARK_TTL_MS = 600000
 
+-- Redis's own clock, in ms. The presence keys lapse by it, so the grace after a lapse
+-- is counted by it too: a caller's now_ms is when it sent the call, and a call that
+-- waited in its socket while Redis stood still carries a time seconds old.
+local function server_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
 -- Whether the gateway that queued a job (its `gw` field; '' or absent for none) has
 -- gone: its presence key (`up`, renewed every second with a TTL of a few seconds) has
 -- lapsed and stayed so for `grace_ms`. The first check to find it lapsed writes the
 -- time in its place; the gateway's next renewal overwrites it. The grace is for Redis
 -- itself stopping: every presence lapses at once, and live gateways renew theirs within
--- a second once it runs again.
-local function owner_gone(gateway, now, grace_ms)
+-- a second once it runs again. Timed by the callers' clocks, the first check after a
+-- 7 s stall was one sent during it: its mark was already older than the grace, and the
+-- next check abandoned the jobs of gateways whose renewal was a moment behind.
+local function owner_gone(gateway, grace_ms)
   if not gateway or gateway == '' then return false end
   local key = K.gateway .. gateway
   local seen = redis.call('GET', key)
   if seen == 'up' then return false end
+  local now = server_ms()
   if not seen then
     redis.call('SET', key, string.format('%d', now), 'PX', GATEWAY_MARK_TTL_MS)
     return false

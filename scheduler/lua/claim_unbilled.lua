@@ -6,14 +6,15 @@
 -- leaves `billing`. A claimed job is marked (`bl` in its hash): a gateway that was only
 -- unresponsive for that long finds it so before writing its own record (claimed_elsewhere).
 -- KEYS: none; every key derives from the prefix in ARGV[1] (scheduler/keys.py).
--- ARGV: 1 prefix, 2 now_ms, 3 the caller's gateway id (never its own jobs), 4 how long
---       a gateway must have been gone (ms), 5 most jobs to claim
+-- ARGV: 1 prefix, 2 now_ms (unused: the grace runs on Redis's clock), 3 the caller's
+--       gateway id (never its own jobs), 4 how long a gateway must have been gone (ms),
+--       5 most jobs to claim
 -- Returns: per claimed job 5 strings: id, tenant, tier, status, billed prompt tokens.
-local now, gone_ms, limit = tonumber(ARGV[2]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local gone_ms, limit = tonumber(ARGV[4]), tonumber(ARGV[5])
 local out = {}
 for _, gateway in ipairs(redis.call('SMEMBERS', K.billing)) do
   if #out >= 5 * limit then break end
-  if gateway ~= ARGV[3] and owner_gone(gateway, now, gone_ms) then
+  if gateway ~= ARGV[3] and owner_gone(gateway, gone_ms) then
     local set = K.unbilled .. gateway
     for _, id in ipairs(redis.call('SMEMBERS', set)) do
       if #out >= 5 * limit then break end

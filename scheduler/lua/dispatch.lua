@@ -103,7 +103,7 @@ local function dispatch_one()
     'dl', 'ex', 'att', 'gw')
   local tier, tenant, pin = h[1], h[2], tonumber(h[3])
   local is_active = unqueue(id, tier, tenant, pin, tonumber(h[4]), h[9], h[10], popped)
-  if num_abandoned < tonumber(ARGV[10]) and owner_gone(h[12], now, tonumber(ARGV[14])) then
+  if num_abandoned < tonumber(ARGV[10]) and owner_gone(h[12], tonumber(ARGV[14])) then
     num_abandoned = num_abandoned + 1
     abandon(id, tenant, ARGV[12], ARGV[11])
     return dispatch_one()

@@ -11,7 +11,7 @@ local ids = redis.call('ZRANGEBYSCORE', K.leases, '-inf', ARGV[2], 'LIMIT', 0, A
 local requeued = {}
 for _, id in ipairs(ids) do
   local h = redis.call('HMGET', K.job .. id, 'gw', 'tenant')
-  if owner_gone(h[1], now, tonumber(ARGV[4])) then
+  if owner_gone(h[1], tonumber(ARGV[4])) then
     abandon(id, h[2], ARGV[5], ARGV[6])
   else
     requeue_job(id, streamed_csv(id))

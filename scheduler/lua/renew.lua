@@ -9,7 +9,7 @@ local key = K.job .. ARGV[4]
 local h = redis.call('HMGET', key, 'st', 'wk', 'gw', 'tenant')
 if h[1] ~= 'leased' or h[2] ~= ARGV[3] then return 0 end
 local now = tonumber(ARGV[2])
-if owner_gone(h[3], now, tonumber(ARGV[6])) then
+if owner_gone(h[3], tonumber(ARGV[6])) then
   abandon(ARGV[4], h[4], ARGV[7], ARGV[8])
   return 0
 end
